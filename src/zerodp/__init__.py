@@ -1,0 +1,79 @@
+"""zerodp: ZeRO data-parallel training for PyTorch with DeepSpeed-compatible configs.
+
+The API in brief::
+
+    engine, optimizer, loader, scheduler = zerodp.initialize(
+        model=model, model_parameters=model.parameters(), config="ds_config.json")
+    for x, y in loader:
+        loss = loss_fn(engine(x.to(engine.device)), y.to(engine.device))
+        engine.backward(loss)
+        engine.step()
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import accelerator
+from .config import PRESETS, Config, ConfigError, load_config, resolve_batch_sizes
+from .engine import ZeroEngine
+
+__all__ = ["initialize", "ZeroEngine", "Config", "ConfigError", "load_config", "PRESETS",
+           "resolve_batch_sizes"]
+__version__ = "0.1.0"
+
+_log = logging.getLogger("zerodp")
+if not _log.handlers:
+    _handler = logging.StreamHandler()
+    _handler.setFormatter(logging.Formatter("[zerodp] %(message)s"))
+    _log.addHandler(_handler)
+    _log.setLevel(logging.INFO)
+    _log.propagate = False
+
+
+def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimizer: Any = None,
+               model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
+               config: Any = None, config_params: Any = None, dist_init_required: Optional[bool] = None,
+               collate_fn: Any = None, process_group: Optional[dist.ProcessGroup] = None,
+               preset: Optional[str] = None):
+    """Wrap ``model`` for ZeRO training; DeepSpeed's ``deepspeed.initialize`` signature.
+
+    Returns ``(engine, optimizer, dataloader, lr_scheduler)``; ``dataloader`` is ``None``
+    unless ``training_data`` (a ``torch.utils.data.Dataset``) is given, and then yields
+    ``train_micro_batch_size_per_gpu`` samples per rank from a ``DistributedSampler``.
+
+    * ``config``: a dict, a path to a JSON file, or a ``zerodp.Config`` (``config_params`` is
+      DeepSpeed's older name for it; ``args.deepspeed_config`` is read too).
+    * ``optimizer``: an optimizer instance built on the model's parameters (zerodp re-points
+      its param groups at this rank's shards, so a scheduler built on it stays valid), or a
+      callable taking a list of param groups; otherwise the config's ``optimizer`` block.
+    * ``model_parameters``: parameters or param-group dicts with their own hyperparameters.
+    * ``process_group``: the data-parallel group (default: the whole world).
+    * ``preset``: one of ``zero0``..``zero3``, with ``config`` merged over it.
+    """
+    if model is None:
+        raise ValueError("initialize needs model=")
+    if config is None:
+        config = config_params
+    if config is None and args is not None:
+        config = getattr(args, "deepspeed_config", None) or getattr(args, "zerodp_config", None)
+    if config is None and preset is None:
+        raise ConfigError("no config: pass config= (a dict or a JSON path) or preset=")
+    cfg = load_config(config, preset=preset)
+    if dist_init_required is not False:
+        accelerator.init_distributed()
+    engine = ZeroEngine(model, cfg, model_parameters=model_parameters, optimizer=optimizer,
+                        lr_scheduler=lr_scheduler, process_group=process_group)
+    loader = None
+    if training_data is not None:
+        from torch.utils.data import DataLoader
+        from torch.utils.data.distributed import DistributedSampler
+        sampler = DistributedSampler(training_data, num_replicas=engine.dp_world_size,
+                                     rank=engine.dp_rank, shuffle=True)
+        loader = DataLoader(training_data, batch_size=engine.train_micro_batch_size_per_gpu(),
+                            sampler=sampler, collate_fn=collate_fn)
+    return engine, engine.optimizer, loader, engine.lr_scheduler

@@ -1,0 +1,51 @@
+"""Device and backend choice, in one place.
+
+Every other module asks here which device a rank computes on and which
+collective backend goes with it, so CPU + gloo and CUDA + NCCL share all code.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def local_rank() -> int:
+    """This process's index on its node (``LOCAL_RANK`` as set by torchrun), 0 if unset."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def default_device() -> torch.device:
+    """``cuda:LOCAL_RANK`` when CUDA is available, otherwise ``cpu``."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank() % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def backend_for(device: torch.device) -> str:
+    """The collective backend that suits ``device``: NCCL for CUDA, gloo for CPU."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_distributed(backend: str | None = None) -> bool:
+    """Start the default process group from torchrun's environment if not started yet.
+
+    Returns True when a process group is available after the call; False when the
+    process runs alone (no ``WORLD_SIZE`` in the environment and no group).
+    """
+    if dist.is_available() and dist.is_initialized():
+        return True
+    if "WORLD_SIZE" not in os.environ or not dist.is_available():
+        return False
+    device = default_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend=backend or backend_for(device))
+    return True
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued device work (a no-op on CPU); used around timings."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

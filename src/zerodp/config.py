@@ -1,0 +1,385 @@
+"""DeepSpeed-compatible configuration schema for zerodp.
+
+:func:`load_config` validates a DeepSpeed-style JSON config into a :class:`Config`. Problems raise
+:class:`ConfigError` naming the key path, the bad value and what is allowed. Unknown keys are ignored
+with one ``UserWarning`` each; keys that would change results if ignored (mixed precision, offload,
+gradient pre-scaling, ...) are rejected.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import warnings
+from pathlib import Path
+from typing import Annotated, Any, ClassVar, Literal, Union, get_args
+
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = [
+    "PRESETS", "ConfigError", "ZeroConfig", "OptimizerConfig", "SchedulerConfig", "Config",
+    "load_config", "get_preset", "resolve_batch_sizes", "describe_fields",
+]
+
+
+class ConfigError(ValueError):
+    """An invalid zerodp / DeepSpeed-style configuration."""
+
+
+def _int_type(minimum: int = 0, allowed: tuple[int, ...] | None = None, auto: bool = False) -> Any:
+    """An int field that also takes whole floats (``2e8``) but rejects bools and fractions.
+
+    With ``auto``, ``"auto"`` and null are accepted too (DeepSpeed batch-size keys).
+    """
+    text = ", ".join(map(str, allowed)) if allowed else f"an integer >= {minimum}"
+    text += ', "auto" or null' if auto else ""
+
+    def check(v: Any) -> Any:
+        if auto and v in (None, "auto"):
+            return v
+        whole = isinstance(v, int) or (isinstance(v, float) and v.is_integer())
+        if isinstance(v, bool) or not whole or v < minimum or (allowed and v not in allowed):
+            raise ValueError(f"allowed: {text}")
+        return int(v)
+
+    kind = Union[int, Literal["auto"], None] if auto else int
+    return Annotated[kind, BeforeValidator(check)]
+
+
+def _only(value: Any, why: str) -> AfterValidator:
+    """Reject any value but ``value``: zerodp lacks the feature and ignoring it would change results."""
+
+    def check(v: Any) -> Any:
+        if v != value:
+            raise ValueError(f"allowed: {_fmt(value)}; {why}")
+        return v
+
+    return AfterValidator(check)
+
+
+_NO_OFFLOAD = "offload is not available in this version of zerodp, and ignoring it would change memory behaviour"
+_FP32_ONLY = ("mixed precision is not available in this version of zerodp (fp32 only), "
+              "and ignoring it would change the numbers")
+_NO_GRAD_OP = "not implemented in zerodp, and ignoring it would change the gradients"
+
+_Stage = _int_type(allowed=(0, 1, 2, 3))
+_Positive = _int_type(minimum=1)
+_NonNegative = _int_type(minimum=0)
+_BatchValue = _int_type(minimum=1, auto=True)
+
+
+class _Section(BaseModel):
+    """Base for config blocks: unknown keys are kept (and warned about by :class:`Config`)."""
+
+    model_config = ConfigDict(extra="allow", validate_default=True)
+    warn_unknown_keys: ClassVar[bool] = True
+
+
+class OffloadConfig(_Section):
+    """``offload_optimizer`` / ``offload_param`` block; only ``device: "none"`` is supported."""
+
+    warn_unknown_keys: ClassVar[bool] = False
+    device: Annotated[str, _only("none", _NO_OFFLOAD)] = Field(
+        "none", description='Offload target; only "none" is supported.')
+
+
+class ZeroConfig(_Section):
+    """The ``zero_optimization`` block."""
+
+    stage: _Stage = Field(0, description="ZeRO stage: 0 = plain data parallel, 1 = shard optimizer states, "
+                                         "2 = also shard gradients, 3 = also shard parameters.")
+    reduce_bucket_size: _Positive = Field(500_000_000, description="Elements per gradient reduce bucket.")
+    allgather_bucket_size: _Positive = Field(500_000_000, description="Elements per parameter all-gather bucket.")
+    overlap_comm: bool | None = Field(None, description="Overlap gradient communication with backward; "
+                                                        "null means false for stages 0-2 and true for stage 3.")
+    contiguous_gradients: bool = Field(True, description="Copy gradients into a contiguous buffer as produced.")
+    reduce_scatter: bool = Field(True, description="Average gradients by reduce-scatter instead of all-reduce.")
+    allgather_partitions: bool = Field(True, description="Gather updated partitions by all-gather, not broadcasts.")
+    stage3_prefetch_bucket_size: _Positive = Field(
+        50_000_000, description="Stage 3: elements of parameters to prefetch.")
+    stage3_param_persistence_threshold: _NonNegative = Field(
+        100_000, description="Stage 3: parameters smaller than this many elements stay unpartitioned.")
+    stage3_max_live_parameters: _Positive = Field(
+        1_000_000_000, description="Stage 3: max gathered parameter elements per GPU.")
+    stage3_max_reuse_distance: _NonNegative = Field(
+        1_000_000_000, description="Stage 3: keep a gathered parameter if reused within this many elements.")
+    stage3_gather_16bit_weights_on_model_save: bool = Field(
+        False, description="Stage 3: gather full weights when saving the model.")
+    offload_optimizer: OffloadConfig | None = Field(
+        None, description='Optimizer offload; must be absent or device "none".')
+    offload_param: OffloadConfig | None = Field(
+        None, description='Parameter offload; must be absent or device "none".')
+    cpu_offload: Annotated[bool, _only(False, _NO_OFFLOAD)] = Field(
+        False, description="Legacy DeepSpeed offload switch; must be false.")
+
+    @property
+    def overlap_comm_effective(self) -> bool:
+        """``overlap_comm`` with DeepSpeed's default applied (on only for stage 3)."""
+        return self.stage == 3 if self.overlap_comm is None else self.overlap_comm
+
+
+class OptimizerConfig(_Section):
+    """The ``optimizer`` block: ``{"type": ..., "params": {...}}``."""
+
+    type: str = Field(..., description='Optimizer name, e.g. "AdamW", "Adam", "SGD".')
+    params: dict[str, Any] = Field(default_factory=dict, description="Optimizer keyword arguments (lr, betas, ...).")
+
+
+class SchedulerConfig(_Section):
+    """The ``scheduler`` block: ``{"type": ..., "params": {...}}``."""
+
+    type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"] = Field(
+        ..., description="Learning-rate schedule: WarmupLR, WarmupDecayLR or WarmupCosineLR.")
+    params: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the schedule.")
+
+
+class BF16Config(_Section):
+    """The ``bf16`` block; only ``enabled: false`` is supported."""
+
+    enabled: Annotated[bool, _only(False, _FP32_ONLY)] = Field(False, description="bfloat16; must be false.")
+
+
+class FP16Config(_Section):
+    """The ``fp16`` block; only ``enabled: false`` is supported (loss-scale keys are stored)."""
+
+    enabled: Annotated[bool, _only(False, _FP32_ONLY)] = Field(False, description="float16; must be false.")
+    auto_cast: bool = Field(False, description="Stored for compatibility.")
+    loss_scale: float = Field(0.0, description="Stored for compatibility (0 = dynamic).")
+    initial_scale_power: int = Field(16, description="Stored for compatibility.")
+    loss_scale_window: int = Field(1000, description="Stored for compatibility.")
+    hysteresis: int = Field(2, description="Stored for compatibility.")
+    consecutive_hysteresis: bool = Field(False, description="Stored for compatibility.")
+    min_loss_scale: float = Field(1.0, description="Stored for compatibility.")
+
+
+class AmpConfig(_Section):
+    """The ``amp`` block; only ``enabled: false`` is supported."""
+
+    warn_unknown_keys: ClassVar[bool] = False
+    enabled: Annotated[bool, _only(False, _FP32_ONLY)] = Field(False, description="Apex AMP; must be false.")
+
+
+class Config(_Section):
+    """A whole zerodp config (DeepSpeed key names and defaults)."""
+
+    train_batch_size: _BatchValue = Field(
+        None, description='Global batch per optimizer step (integer, "auto" or null).')
+    train_micro_batch_size_per_gpu: _BatchValue = Field(
+        None, description='Batch per rank per forward/backward (integer, "auto" or null).')
+    gradient_accumulation_steps: _BatchValue = Field(
+        None, description='Micro-batches accumulated per optimizer step (integer, "auto" or null).')
+    gradient_clipping: float = Field(0.0, ge=0.0, allow_inf_nan=False,
+                                     description="Max global gradient L2 norm; 0 disables clipping.")
+    steps_per_print: _Positive = Field(10, description="Log progress every this many optimizer steps.")
+    wall_clock_breakdown: bool = Field(False, description="Log forward/backward/step timings.")
+    seed: int | None = Field(None, description="Random seed; null leaves RNG state alone.")
+    optimizer: OptimizerConfig | None = Field(
+        None, description="Optimizer built by the engine; null if you pass your own.")
+    scheduler: SchedulerConfig | None = Field(None, description="Learning-rate scheduler built by the engine.")
+    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig, description="ZeRO settings.")
+    bf16: BF16Config = Field(default_factory=BF16Config, description="bfloat16 settings (must stay disabled).")
+    fp16: FP16Config = Field(default_factory=FP16Config, description="float16 settings (must stay disabled).")
+    amp: AmpConfig = Field(default_factory=AmpConfig, description="Apex AMP settings (must stay disabled).")
+    gradient_predivide_factor: Annotated[float, _only(1.0, _NO_GRAD_OP)] = Field(
+        1.0, description="Must be 1.0 (gradient pre-division is not implemented).")
+    prescale_gradients: Annotated[bool, _only(False, _NO_GRAD_OP)] = Field(
+        False, description="Must be false (gradient pre-scaling is not implemented).")
+    sparse_gradients: Annotated[bool, _only(False, _NO_GRAD_OP)] = Field(
+        False, description="Must be false (sparse gradients are not implemented).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bfloat16_alias(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "bfloat16" in data:
+            if "bf16" in data:
+                raise ValueError('allowed: only one of "bf16" and its alias "bfloat16"')
+            data = dict(data)
+            data["bf16"] = data.pop("bfloat16")
+        return data
+
+    @model_validator(mode="after")
+    def _warn_unknown(self) -> "Config":
+        for path in _unknown_keys(self, ""):
+            warnings.warn(f"zerodp ignores unsupported config key '{path}'", UserWarning, stacklevel=2)
+        return self
+
+
+def _unknown_keys(model: BaseModel, prefix: str) -> list[str]:
+    paths = []
+    if getattr(type(model), "warn_unknown_keys", False):
+        paths += [prefix + key for key in (model.model_extra or {})]
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        if isinstance(value, BaseModel):
+            paths += _unknown_keys(value, f"{prefix}{name}.")
+    return paths
+
+
+def _preset(stage: int) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10,
+        "optimizer": {"type": "AdamW",
+                      "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
+        "zero_optimization": {"stage": stage, "overlap_comm": True, "contiguous_gradients": True,
+                              "reduce_bucket_size": 50_000_000, "allgather_bucket_size": 50_000_000},
+    }
+
+
+PRESETS: dict[str, dict] = {f"zero{stage}": _preset(stage) for stage in range(4)}
+
+
+def get_preset(name: str) -> dict:
+    """A deep copy of ``PRESETS[name]``; raises :class:`ConfigError` for unknown names."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; available presets: {', '.join(PRESETS)}")
+    return copy.deepcopy(PRESETS[name])
+
+
+def _fmt(value: Any) -> str:
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+_OPS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
+_ALLOWED = {
+    "int_type": "an integer", "int_parsing": "an integer", "int_from_float": "a whole number",
+    "float_type": "a number", "float_parsing": "a number", "finite_number": "a finite number",
+    "bool_type": "true or false", "bool_parsing": "true or false", "string_type": "a string",
+    "dict_type": "a JSON object", "model_type": "a JSON object", "model_attributes_type": "a JSON object",
+}
+
+
+def _error_line(err: dict) -> str:
+    path = ".".join(str(part) for part in err["loc"])
+    kind, ctx = err["type"], err.get("ctx") or {}
+    if kind == "missing":
+        return f"{path}: missing required key"
+    if kind == "value_error" and "error" in ctx:
+        detail = str(ctx["error"])
+    elif kind == "literal_error":
+        detail = "allowed: " + ctx["expected"].replace(" or ", ", ")
+    elif kind in _OPS:
+        detail = f"allowed: a number {_OPS[kind]} {next(iter(ctx.values()))}"
+    else:
+        detail = f"allowed: {_ALLOWED[kind]}" if kind in _ALLOWED else err["msg"]
+    if not path:  # whole-config (model-level) problem: the input is the entire config
+        return f"config: {detail}"
+    return f"{path}: got {_fmt(err.get('input'))}; {detail}"
+
+
+def _deep_merge(base: dict, override: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {str(path)!r}: {e.strerror or e}") from e
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def load_config(config: dict | str | Path | Config | None = None, preset: str | None = None) -> Config:
+    """Validate ``config`` (dict, JSON file path, :class:`Config` or None) into a :class:`Config`.
+
+    With ``preset``, ``PRESETS[preset]`` is the base and ``config`` is deep-merged over it.
+    Raises :class:`ConfigError` for unreadable files, unknown presets and schema errors.
+    """
+    if isinstance(config, Config) and preset is None:
+        return config
+    if config is None:
+        data: dict = {}
+    elif isinstance(config, Config):
+        data = config.model_dump(exclude_unset=True)
+    elif isinstance(config, (str, Path)):
+        data = _read_json(Path(config))
+    elif isinstance(config, dict):
+        data = config
+    else:
+        raise ConfigError(f"config: got {type(config).__name__}; allowed: a dict, a JSON file path, a Config, None")
+    if preset is not None:
+        data = _deep_merge(get_preset(preset), data)
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        lines = [_error_line(err) for err in e.errors()]
+        message = lines[0] if len(lines) == 1 else f"{len(lines)} config errors:\n  " + "\n  ".join(lines)
+        raise ConfigError(message) from None
+
+
+def resolve_batch_sizes(cfg: Config, world_size: int) -> tuple[int, int, int]:
+    """Resolve ``(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps)``.
+
+    Follows DeepSpeed's rule ``train_batch_size = micro * gas * world_size``; ``"auto"`` and
+    null count as not given, and missing values are derived (micro and gas default to 1).
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world_size: got {world_size!r}; allowed: an integer >= 1")
+
+    tbs, micro, gas = (None if v == "auto" else v for v in (
+        cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps))
+    ws = world_size
+
+    def divide(factors: list[tuple[str, int]]) -> int:
+        divisor = math.prod(v for _, v in factors)
+        if tbs % divisor:
+            spelled = " x ".join(f"{name} {v}" for name, v in factors)
+            if len(factors) > 1:
+                spelled += f" = {divisor}"
+            raise ConfigError(f"train_batch_size {tbs} is not divisible by {spelled}")
+        return tbs // divisor
+
+    if tbs is not None and micro is not None and gas is not None:
+        if tbs != micro * gas * ws:
+            raise ConfigError(
+                f"train_batch_size {tbs} != train_micro_batch_size_per_gpu {micro} x "
+                f"gradient_accumulation_steps {gas} x world_size {ws} (= {micro * gas * ws})")
+    elif tbs is not None and micro is not None:
+        gas = divide([("train_micro_batch_size_per_gpu", micro), ("world_size", ws)])
+    elif tbs is not None and gas is not None:
+        micro = divide([("gradient_accumulation_steps", gas), ("world_size", ws)])
+    elif tbs is not None:
+        gas = 1
+        micro = divide([("world_size", ws)])
+    else:
+        micro, gas = micro or 1, gas or 1
+        tbs = micro * gas * ws
+    return tbs, micro, gas
+
+
+def _nested_model(annotation: Any) -> type[BaseModel] | None:
+    """The config block class inside ``annotation`` (``X`` or ``X | None``), if any."""
+    candidates = [annotation, *get_args(annotation)]
+    return next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+
+
+def describe_fields(model: type[BaseModel] = Config, prefix: str = "") -> list[tuple[str, str, str]]:
+    """``(dotted key, default as JSON text, description)`` for every documented config field."""
+    rows = []
+    for name, field in model.model_fields.items():
+        key = prefix + name
+        default = None if field.is_required() else field.get_default(call_default_factory=True)
+        nested = _nested_model(field.annotation)
+        if nested is not None:
+            if default is None:  # optional block: document the block itself, then its keys
+                rows.append((key, "null", field.description or ""))
+            rows.extend(describe_fields(nested, key + "."))
+            continue
+        rows.append((key, "required" if field.is_required() else _fmt(default), field.description or ""))
+    return rows

@@ -1,0 +1,447 @@
+"""The training-loop verbs: forward, backward, step — one engine for every ZeRO stage.
+
+A gradient's journey (stage policy in ``stages.py``, collectives in ``comm.py``):
+
+1. ``backward(loss)`` scales the loss by 1/gradient_accumulation_steps and runs autograd.
+2. As autograd finishes each parameter, its post-accumulate-grad hook (``_on_grad_ready``)
+   moves the gradient into its flat group's gradient buffer: at stages 0-1 ``p.grad`` already
+   *is* a view of the group's full gradient buffer; at stage 2 it is copied into a
+   temporary bucket buffer and dropped.
+3. In a backward that reduces (every one at stage 2, the accumulation boundary's at stages
+   0-1, never inside ``no_sync()``), a group whose parameters all have gradients is
+   *ready*; ready groups are launched in group order (the same order on every rank) —
+   all-reduce at stage 0, reduce-scatter at stages 1-2 — asynchronously when
+   ``overlap_comm`` is on, so communication runs while backward goes on.
+4. When autograd returns, groups that never became ready (parameters unused in this
+   step) are launched too, and all handles are awaited; stage 2 adds each reduced bucket
+   shard into the persistent gradient shard and frees the bucket.
+5. ``step()`` at the boundary divides by the data-parallel size, all-reduces (one small
+   vector) the squared gradient norm and which parameters got a gradient on any rank,
+   clips, runs the optimizer on this rank's pieces, and all-gathers the updated shards
+   (stages 1-2).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import math
+import warnings
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import accelerator
+from .comm import Comm, Handle
+from .config import Config, ConfigError, resolve_batch_sizes
+from .flat import FlatGroup
+from .memory import measure_model_states
+from .optim import build_scheduler, check_elementwise, optimizer_factory_from_config
+from .stages import StagePolicy, policy_for
+
+logger = logging.getLogger("zerodp")
+
+
+class ZeroEngine(nn.Module):
+    """Wraps a model for ZeRO data-parallel training (see ``zerodp.initialize``)."""
+
+    def __init__(self, model: nn.Module, config: Config, *, model_parameters=None,
+                 optimizer=None, lr_scheduler=None,
+                 process_group: Optional[dist.ProcessGroup] = None) -> None:
+        super().__init__()
+        self.config = config
+        self.comm = Comm(process_group)
+        self.dp_world_size, self.dp_rank = self.comm.world_size, self.comm.rank
+        self.policy: StagePolicy = policy_for(config.zero_optimization.stage)
+        self.zero_config = config.zero_optimization
+        self.overlap_comm = config.zero_optimization.overlap_comm_effective
+        (self._train_batch_size, self._micro_batch_size,
+         self._gas) = resolve_batch_sizes(config, self.dp_world_size)
+        self.device = accelerator.default_device()
+        if any(p.is_meta for p in model.parameters()):
+            raise ValueError("the model has parameters on the meta device; materialize them "
+                             "before zerodp.initialize (stages 0-2 keep full parameters on every rank)")
+        self.module = model.to(self.device)
+
+        groups = self._user_param_groups(model_parameters, optimizer)
+        self.flat_groups = self._build_flat_groups(groups)
+        self.trainable = [g for g in self.flat_groups if g.trainable]
+        self._broadcast_initial_state()
+        for g in self.trainable:
+            g.allocate_gradients(keep_full=not self.policy.shard_gradients)
+
+        pieces_by_group = [[] for _ in groups]
+        for g in self.trainable:
+            pieces_by_group[g.param_group].extend(g.make_piece_params(g.shard))
+        self.optimizer = self._build_optimizer(groups, pieces_by_group, optimizer)
+        self.lr_scheduler = self._build_lr_scheduler(lr_scheduler)
+
+        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, t, i))
+                       for t, g in enumerate(self.trainable) for i, p in enumerate(g.params)]
+        self.global_steps = 0
+        self.micro_steps = 0
+        self._global_grad_norm: Optional[float] = None
+        self._in_no_sync = False
+        self._reducing = False
+        self._reduced_for_boundary = False
+        self._used = [[False] * len(g.params) for g in self.trainable]
+        self._reset_backward_state()
+
+    # -- set-up -------------------------------------------------------------------------
+
+    def _user_param_groups(self, model_parameters, optimizer) -> list[dict]:
+        """The optimizer param groups as dicts of {"params": [...], hyperparameters...}."""
+        if isinstance(optimizer, torch.optim.Optimizer):
+            if model_parameters is not None:
+                warnings.warn("zerodp uses the param groups of the optimizer passed in; "
+                              "model_parameters is ignored", UserWarning, stacklevel=3)
+            groups = [dict(g) for g in optimizer.param_groups]
+        elif model_parameters is not None:
+            mp = list(model_parameters)
+            groups = ([dict(g) for g in mp] if mp and isinstance(mp[0], dict) else [{"params": mp}])
+        else:
+            groups = [{"params": [p for p in self.module.parameters() if p.requires_grad]}]
+        model_ids = {id(p) for p in self.module.parameters()}
+        seen: dict[int, int] = {}
+        for gi, g in enumerate(groups):
+            g["params"] = list(g["params"])
+            for p in g["params"]:
+                if id(p) not in model_ids:
+                    raise ValueError(f"param group {gi} holds a tensor of shape {tuple(p.shape)} "
+                                     "that is not a parameter of the model")
+                if id(p) in seen:
+                    raise ValueError(f"a parameter of shape {tuple(p.shape)} is in param groups "
+                                     f"{seen[id(p)]} and {gi}; each parameter may be in one group")
+                seen[id(p)] = gi
+        return groups
+
+    def _build_flat_groups(self, groups: list[dict]) -> list[FlatGroup]:
+        """Cut parameters into flat groups of at most ``reduce_bucket_size`` elements.
+
+        Parameters are taken in reverse registration order (roughly the order backward
+        produces their gradients), one open bucket per (param group, dtype, requires_grad);
+        groups are numbered by the position of their last parameter, so that group order
+        is the order in which they are expected to become ready.
+        """
+        group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
+        named = list(self.module.named_parameters())
+        left_out = [n for n, p in named if p.requires_grad and id(p) not in group_of]
+        if left_out:
+            warnings.warn(f"zerodp: trainable parameters not given to the optimizer stay frozen and "
+                          f"unsynchronized: {', '.join(left_out[:5])}{' ...' if len(left_out) > 5 else ''}",
+                          UserWarning, stacklevel=3)
+        cap = int(self.zero_config.reduce_bucket_size)
+        open_buckets: dict[tuple, list] = {}
+        closed: list[tuple[int, tuple, list]] = []
+        order = [(n, p) for n, p in reversed(named) if id(p) in group_of or not p.requires_grad]
+        for pos, (name, p) in enumerate(order):
+            key = (group_of.get(id(p), -1), p.dtype, p.requires_grad and id(p) in group_of)
+            bucket = open_buckets.setdefault(key, [])
+            if bucket and sum(q.numel() for _, q in bucket) + p.numel() > cap:
+                closed.append((pos - 1, key, bucket))
+                bucket = open_buckets[key] = []
+            bucket.append((name, p))
+        last_pos = {n: pos for pos, (n, _) in enumerate(order)}
+        for key, bucket in open_buckets.items():
+            if bucket:
+                closed.append((last_pos[bucket[-1][0]], key, bucket))
+        closed.sort(key=lambda c: c[0])
+        partitions = self.dp_world_size if self.policy.shard_optimizer else 1
+        rank = self.dp_rank if self.policy.shard_optimizer else 0
+        return [FlatGroup(i, bucket, param_group=max(key[0], 0), trainable=key[2],
+                          partitions=partitions, rank=rank, device=self.device)
+                for i, (_, key, bucket) in enumerate(closed)]
+
+    def _broadcast_initial_state(self) -> None:
+        """Start every rank from rank 0's parameters and buffers."""
+        for g in self.flat_groups:
+            self.comm.broadcast(g.full)
+        for b in self.module.buffers():
+            self.comm.broadcast(b)
+
+    def _build_optimizer(self, groups, pieces_by_group, optimizer) -> torch.optim.Optimizer:
+        cfg = self.config.optimizer
+        if cfg is not None and optimizer is not None:
+            raise ConfigError("optimizer: the config has an 'optimizer' block and an optimizer was "
+                              "also passed to initialize; give one or the other")
+        hyper = [{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in groups]
+        new_groups = [dict(h, params=pieces) for h, pieces in zip(hyper, pieces_by_group)]
+        if isinstance(optimizer, torch.optim.Optimizer):
+            check_elementwise(type(optimizer))
+            if len(optimizer.state):
+                raise ValueError("the optimizer passed to initialize already has state; pass a "
+                                 "freshly constructed optimizer")
+            for g, pieces in zip(optimizer.param_groups, pieces_by_group):
+                g["params"] = pieces
+                if "param_names" in g:
+                    g["param_names"] = [f"piece{i}" for i in range(len(pieces))]
+            return optimizer
+        if callable(optimizer):
+            opt = optimizer(new_groups)
+            check_elementwise(type(opt))
+            return opt
+        if cfg is None:
+            raise ConfigError("optimizer: no optimizer; add an 'optimizer' block to the config "
+                              "(e.g. {\"type\": \"AdamW\", \"params\": {\"lr\": 3e-4}}) or pass optimizer=")
+        cls, kwargs = optimizer_factory_from_config(cfg.type, dict(cfg.params))
+        check_elementwise(cls)
+        return cls(new_groups, **kwargs)
+
+    def _build_lr_scheduler(self, lr_scheduler):
+        if self.config.scheduler is not None:
+            if lr_scheduler is not None:
+                warnings.warn("zerodp uses the config's 'scheduler' block; the lr_scheduler passed "
+                              "to initialize is ignored", UserWarning, stacklevel=4)
+            return build_scheduler(self.optimizer, self.config.scheduler.type,
+                                   dict(self.config.scheduler.params))
+        if lr_scheduler is None:
+            return None
+        if isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
+            if lr_scheduler.optimizer is not self.optimizer:
+                raise ValueError("lr_scheduler is bound to a different optimizer; pass a callable "
+                                 "that takes the optimizer, or build it on the optimizer you pass in")
+            return lr_scheduler
+        if callable(lr_scheduler):
+            return lr_scheduler(self.optimizer)
+        raise TypeError(f"lr_scheduler: expected an LRScheduler or a callable, got {type(lr_scheduler)}")
+
+    # -- forward / backward -------------------------------------------------------------
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+        """Backpropagate ``loss`` (scaled by 1/gradient_accumulation_steps) and reduce
+        gradients as the stage requires."""
+        boundary = self.is_gradient_accumulation_boundary()
+        self._reset_backward_state()
+        self._reducing = not self._in_no_sync and (self.policy.reduce_every_micro_batch or boundary)
+        scaled = loss / self._gas if self._gas > 1 else loss
+        scaled.backward(retain_graph=retain_graph)
+        if self._reducing:
+            self._finish_reduction()
+            if boundary:
+                self._reduced_for_boundary = True
+        self._reducing = False
+        return loss
+
+    def _reset_backward_state(self) -> None:
+        self._seen = [[False] * len(g.params) for g in self.trainable]
+        self._ready = [False] * len(self.trainable)
+        self._next_launch = 0
+        self._handles: list[Handle] = []
+        self._buckets: dict[int, torch.Tensor] = {}
+
+    def _grad_buffer(self, t: int) -> torch.Tensor:
+        """Where group ``t``'s gradients are gathered before reduction."""
+        g = self.trainable[t]
+        if g.grad_full is not None:
+            return g.grad_full
+        if t not in self._buckets:
+            self._buckets[t] = torch.zeros(g.padded_numel, dtype=g.dtype, device=g.device)
+        return self._buckets[t]
+
+    def _on_grad_ready(self, t: int, i: int, param: nn.Parameter) -> None:
+        g = self.trainable[t]
+        self._used[t][i] = True
+        if not self._reducing:
+            if g.grad_full is not None:
+                g.fold_param_grad_into(g.grad_full, i)
+            return
+        if self._seen[t][i]:
+            raise RuntimeError(
+                f"parameter {g.slots[i].name} received a second gradient in one backward after its "
+                "group was reduced (reentrant activation checkpointing or two backward passes "
+                "through one graph); use non-reentrant checkpointing or one engine.backward per loss")
+        self._seen[t][i] = True
+        g.fold_param_grad_into(self._grad_buffer(t), i)
+        if all(self._seen[t]):
+            self._mark_ready(t)
+
+    def _mark_ready(self, t: int) -> None:
+        self._ready[t] = True
+        while self._next_launch < len(self.trainable) and self._ready[self._next_launch]:
+            self._launch_reduction(self._next_launch)
+            self._next_launch += 1
+
+    def _launch_reduction(self, t: int) -> None:
+        g = self.trainable[t]
+        buf = self._grad_buffer(t)
+        if self.policy.reduction == "all_reduce":
+            handle = self.comm.all_reduce_sum(buf, async_op=self.overlap_comm)
+        elif g.grad_full is not None:
+            handle = self.comm.reduce_scatter_sum(buf, async_op=self.overlap_comm)
+        else:
+            def accumulate_shard(g=g, buf=buf, t=t):
+                g.grad_shard.add_(g.shard_of(buf))
+                self._buckets.pop(t, None)
+            handle = self.comm.reduce_scatter_sum(buf, async_op=self.overlap_comm, then=accumulate_shard)
+        self._handles.append(handle)
+
+    def _finish_reduction(self) -> None:
+        """Launch the groups autograd never completed (unused parameters), then wait for all."""
+        for t, g in enumerate(self.trainable):
+            if not self._ready[t]:
+                buf = self._grad_buffer(t)
+                for i in range(len(g.params)):
+                    if not self._seen[t][i]:
+                        g.fold_param_grad_into(buf, i)
+                self._mark_ready(t)
+        for h in self._handles:
+            h.wait()
+        self._handles = []
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside this context do not communicate; gradients accumulate
+        locally (at stage 2 in full-size ``p.grad``, which costs full gradient memory for
+        the duration) and are reduced by the next backward outside it."""
+        previous, self._in_no_sync = self._in_no_sync, True
+        try:
+            yield
+        finally:
+            self._in_no_sync = previous
+
+    # -- step ---------------------------------------------------------------------------
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the next ``step()`` updates the parameters."""
+        return (self.micro_steps + 1) % self._gas == 0
+
+    def step(self) -> None:
+        """Count a micro-batch; at an accumulation boundary, update the parameters."""
+        if not self.is_gradient_accumulation_boundary():
+            self.micro_steps += 1
+            return
+        if not self._reduced_for_boundary:
+            raise RuntimeError(
+                "step() at a gradient-accumulation boundary, but that micro-batch's gradients were "
+                "not reduced: its backward ran inside no_sync() or engine.backward was not called. "
+                "Run the boundary micro-batch's backward outside no_sync().")
+        self._apply_update()
+        self.micro_steps += 1
+        self.global_steps += 1
+        self.comm.counter.close_step()
+        self._reduced_for_boundary = False
+        if self.global_steps % self.config.steps_per_print == 0 and self.comm.rank == 0:
+            logger.info("step %d: lr=%s grad_norm=%.4g", self.global_steps,
+                        [round(lr, 8) for lr in self.get_lr()], self._global_grad_norm)
+
+    def _apply_update(self) -> None:
+        inv_world = 1.0 / self.dp_world_size
+        for g in self.trainable:
+            if self.dp_world_size > 1:
+                g.grad_shard.mul_(inv_world)
+        norm, used = self._global_norm_and_usage()
+        self._global_grad_norm = norm
+        clip = self.config.gradient_clipping
+        if clip > 0:
+            coef = clip / (norm + 1e-6)
+            if coef < 1.0:
+                for g in self.trainable:
+                    g.grad_shard.mul_(coef)
+        for g, u in zip(self.trainable, used):
+            g.attach_piece_grads(u)
+        self.optimizer.step()
+        if self.policy.gather_after_step:
+            handles = [self.comm.all_gather(g.full, async_op=True) for g in self.trainable]
+            for h in handles:
+                h.wait()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.zero_grad()
+
+    def _global_norm_and_usage(self) -> tuple[float, list[list[bool]]]:
+        """One small all-reduce: the squared L2 norm of all gradient shards and, per
+        parameter, whether any rank produced a gradient for it in this step."""
+        local = torch.zeros((), dtype=torch.float64, device=self.device)
+        if self.policy.shard_optimizer or self.dp_rank == 0:
+            for g in self.trainable:
+                local += g.grad_shard.double().pow(2).sum()
+        flags = [float(u) for used in self._used for u in used]
+        vec = torch.cat([local.reshape(1), torch.tensor(flags, dtype=torch.float64, device=self.device)])
+        self.comm.all_reduce_sum(vec, kind="control")
+        norm = math.sqrt(vec[0].item())
+        got = (vec[1:] > 0).tolist()
+        used, k = [], 0
+        for g in self.trainable:
+            used.append(got[k:k + len(g.params)])
+            k += len(g.params)
+        return norm, used
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear all gradients (``step()`` does this itself after every update)."""
+        for g in self.trainable:
+            g.zero_gradients()
+            for pp in g.piece_params:
+                pp.grad = None
+        self._used = [[False] * len(g.params) for g in self.trainable]
+
+    # -- queries ------------------------------------------------------------------------
+
+    def get_global_grad_norm(self) -> Optional[float]:
+        """L2 norm over all gradients of the last update, before clipping (None before the first)."""
+        return self._global_grad_norm
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def train_batch_size(self) -> int:
+        return self._train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self._micro_batch_size
+
+    def gradient_accumulation_steps(self) -> int:
+        return self._gas
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_world_size
+
+    @property
+    def global_rank(self) -> int:
+        return dist.get_rank() if self.comm.distributed else 0
+
+    @property
+    def local_rank(self) -> int:
+        return accelerator.local_rank()
+
+    @property
+    def zero_stage(self) -> int:
+        return self.policy.stage
+
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes of model state held on this rank, by category, measured from the real tensors
+        (see ``zerodp.memory.measure_model_states``)."""
+        return measure_model_states(self)
+
+    def comm_stats(self) -> dict[str, int]:
+        """Bytes this rank moved in the last optimizer step (its whole accumulation window), per
+        collective kind, plus ``"total"``. Counted as ring-algorithm bytes sent per rank: an
+        all-reduce of B bytes over N ranks counts 2B(N-1)/N, a reduce-scatter or all-gather of a
+        B-byte buffer B(N-1)/N; ``"control"`` is the small norm/usage all-reduce."""
+        stats = dict(self.comm.counter.last_step)
+        stats["total"] = sum(stats.values())
+        return stats
+
+    def parameter_index(self) -> dict[str, dict]:
+        """Parameter name -> flat group, offset, numel and shape."""
+        index = {}
+        for g in self.flat_groups:
+            index.update(g.index_entries())
+        return index
+
+    def save_checkpoint(self, *args, **kwargs):
+        raise NotImplementedError("checkpoints are not available in this version of zerodp; "
+                                  "at stages 0-2 engine.module.state_dict() holds the full model")
+
+    load_checkpoint = save_checkpoint
+
+    def destroy(self) -> None:
+        """Remove the gradient hooks (the model stays usable as a plain module)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

@@ -1,0 +1,184 @@
+"""FlatGroup: parameters laid out in one padded buffer that splits into equal shards.
+
+A flat group holds parameters that share an optimizer param group, a dtype and
+whether they are trained. Their elements are laid out back to back in one 1-D buffer, padded
+so that it splits into ``partitions`` equal shards whose size is a multiple of 16 bytes.
+Rank ``r`` owns elements ``[r * S, (r + 1) * S)``. While the full buffer exists, every
+parameter's ``.data`` is a view into it.
+
+The group also keeps, as the stage policy decides (see ``stages.py``):
+
+* ``grad_full``: a full-size gradient buffer (stages 0-1), whose views are the
+  parameters' ``.grad``;
+* ``grad_shard``: this rank's gradient shard (a view into ``grad_full`` at stages 0-1,
+  its own buffer at stage 2);
+* ``pieces``: for each parameter that overlaps this rank's shard, a leaf tensor that
+  aliases that part of the shard. The optimizer sees these, so each parameter keeps its
+  own optimizer state and step count, exactly as an unsharded optimizer would.
+
+``index()`` records where every parameter lives (group, offset, shape), which is what
+world-size-independent checkpoints need.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+ALIGN_BYTES = 16
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one parameter lives inside its group's full buffer."""
+
+    name: str
+    offset: int
+    numel: int
+    shape: torch.Size
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part of one parameter inside this rank's shard.
+
+    ``slot`` indexes ``FlatGroup.slots``; ``[shard_lo, shard_hi)`` are offsets within the
+    shard and ``param_lo`` is the offset of the same elements within the flattened parameter.
+    """
+
+    slot: int
+    shard_lo: int
+    shard_hi: int
+    param_lo: int
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+class FlatGroup:
+    """One contiguous, padded, shardable buffer of parameters (see module docstring)."""
+
+    def __init__(self, index: int, named_params: list[tuple[str, nn.Parameter]], *,
+                 param_group: int, trainable: bool, partitions: int, rank: int, device: torch.device) -> None:
+        if not named_params:
+            raise ValueError("a flat group needs at least one parameter")
+        dtypes = {p.dtype for _, p in named_params}
+        if len(dtypes) != 1:
+            raise ValueError(f"flat group {index} mixes dtypes {sorted(map(str, dtypes))}")
+        self.index = index
+        self.param_group = param_group
+        self.params = [p for _, p in named_params]
+        self.dtype = self.params[0].dtype
+        self.trainable = trainable
+        self.device = device
+        self.partitions, self.rank = partitions, rank
+
+        self.slots: list[Slot] = []
+        offset = 0
+        for name, p in named_params:
+            self.slots.append(Slot(name, offset, p.numel(), p.shape))
+            offset += p.numel()
+        self.numel = offset
+        align = max(1, ALIGN_BYTES // torch.empty((), dtype=self.dtype).element_size())
+        self.shard_numel = _round_up(-(-self.numel // partitions), align)
+        self.padded_numel = self.shard_numel * partitions
+        self.shard_lo = rank * self.shard_numel
+        self.shard_hi = self.shard_lo + self.shard_numel
+
+        self.full: torch.Tensor = torch.zeros(self.padded_numel, dtype=self.dtype, device=device)
+        with torch.no_grad():
+            for slot, p in zip(self.slots, self.params):
+                self.full[slot.offset:slot.offset + slot.numel].copy_(p.detach().reshape(-1))
+        self.bind_params_to_full()
+
+        self.pieces: list[Piece] = []
+        for i, slot in enumerate(self.slots):
+            lo = max(slot.offset, self.shard_lo)
+            hi = min(slot.offset + slot.numel, self.shard_hi)
+            if lo < hi:
+                self.pieces.append(Piece(i, lo - self.shard_lo, hi - self.shard_lo, lo - slot.offset))
+
+        self.grad_full: Optional[torch.Tensor] = None
+        self.grad_shard: Optional[torch.Tensor] = None
+        self.piece_params: list[nn.Parameter] = []
+
+    # -- views ------------------------------------------------------------------------
+
+    def view(self, buffer: torch.Tensor, slot: int) -> torch.Tensor:
+        """Parameter ``slot``'s elements in a full-size ``buffer``, shaped like the parameter."""
+        s = self.slots[slot]
+        return buffer[s.offset:s.offset + s.numel].view(s.shape)
+
+    def shard_of(self, buffer: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a full-size ``buffer`` (a view)."""
+        return buffer[self.shard_lo:self.shard_hi]
+
+    @property
+    def shard(self) -> torch.Tensor:
+        """This rank's shard of the parameters (a view into ``full``)."""
+        return self.shard_of(self.full)
+
+    def bind_params_to_full(self) -> None:
+        """Make every parameter's ``.data`` a view into ``full``."""
+        for i, p in enumerate(self.params):
+            p.data = self.view(self.full, i)
+
+    # -- gradients --------------------------------------------------------------------
+
+    def allocate_gradients(self, keep_full: bool) -> None:
+        """Allocate gradient storage: a full buffer whose views are ``p.grad`` (stages 0-1),
+        or only this rank's shard (stage 2)."""
+        if keep_full:
+            self.grad_full = torch.zeros_like(self.full)
+            self.grad_shard = self.shard_of(self.grad_full)
+            for i, p in enumerate(self.params):
+                p.grad = self.view(self.grad_full, i)
+        else:
+            self.grad_shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
+
+    def zero_gradients(self) -> None:
+        if self.grad_full is not None:
+            self.grad_full.zero_()
+            for i, p in enumerate(self.params):
+                if p.grad is None or p.grad.data_ptr() != self.view(self.grad_full, i).data_ptr():
+                    p.grad = self.view(self.grad_full, i)
+        else:
+            self.grad_shard.zero_()
+            for p in self.params:
+                p.grad = None
+
+    def fold_param_grad_into(self, buffer: torch.Tensor, slot: int) -> None:
+        """Move ``params[slot].grad`` into ``buffer`` (a full-size gradient buffer).
+
+        Where ``.grad`` already is the view into ``buffer`` nothing moves; otherwise it is
+        added in and ``.grad`` becomes that view again (stages 0-1) or is dropped (stage 2).
+        """
+        p = self.params[slot]
+        target = self.view(buffer, slot)
+        if p.grad is None or p.grad.data_ptr() == target.data_ptr():
+            return
+        target.add_(p.grad)
+        p.grad = target if buffer is self.grad_full else None
+
+    # -- optimizer pieces ---------------------------------------------------------------
+
+    def make_piece_params(self, master_shard: torch.Tensor) -> list[nn.Parameter]:
+        """Leaf tensors aliasing each piece of ``master_shard``: what the optimizer updates."""
+        self.piece_params = [nn.Parameter(master_shard[pc.shard_lo:pc.shard_hi], requires_grad=True)
+                             for pc in self.pieces]
+        return self.piece_params
+
+    def attach_piece_grads(self, used: list[bool]) -> None:
+        """Point each piece's ``.grad`` at its part of ``grad_shard``; ``None`` where the
+        parameter got no gradient on any rank (the optimizer then skips it, as unsharded
+        PyTorch does)."""
+        for pc, pp in zip(self.pieces, self.piece_params):
+            pp.grad = self.grad_shard[pc.shard_lo:pc.shard_hi] if used[pc.slot] else None
+
+    def index_entries(self) -> dict[str, dict]:
+        """Parameter name -> where it lives: group, offset, numel, shape."""
+        return {s.name: {"group": self.index, "offset": s.offset, "numel": s.numel,
+                         "shape": tuple(s.shape)} for s in self.slots}

@@ -1,0 +1,61 @@
+"""Memory of model states: what the engine really holds (the ledger).
+
+``measure_model_states`` walks the engine's real tensors, never a formula, so tests can
+compare it with the ZeRO accounting in SPEC (fp32 Adam: parameters 4Ψ, gradients 4Ψ,
+Adam moments 8Ψ; the sharded parts divided by N, plus padding).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .engine import ZeroEngine
+
+CATEGORIES = ("parameters", "gradients", "master_weights", "optimizer_states",
+              "optimizer_scalars", "gradient_buckets")
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def measure_model_states(engine: "ZeroEngine") -> dict[str, int]:
+    """Bytes held on this rank, by category, from the engine's tensors.
+
+    * ``parameters``: the flat parameter buffers (full at stages 0-2);
+    * ``gradients``: persistent gradient storage (the full buffer at stages 0-1, the shard
+      at stage 2);
+    * ``master_weights``: fp32 master copies kept apart from the parameters (none in fp32
+      training, where the optimizer updates the parameter shard in place);
+    * ``optimizer_states``: optimizer state tensors with one value per parameter element
+      (Adam's ``exp_avg`` and ``exp_avg_sq``);
+    * ``optimizer_scalars``: other optimizer state (step counters);
+    * ``gradient_buckets``: temporary stage-2 buckets alive right now (zero between steps).
+
+    ``model_states`` is the sum of the first four.
+    """
+    out = dict.fromkeys(CATEGORIES, 0)
+    param_ptrs = set()
+    for g in engine.flat_groups:
+        out["parameters"] += _nbytes(g.full)
+        param_ptrs.add(g.full.untyped_storage().data_ptr())
+    for g in engine.trainable:
+        out["gradients"] += _nbytes(g.grad_full if g.grad_full is not None else g.grad_shard)
+        masters = {pp.untyped_storage().data_ptr(): pp for pp in g.piece_params}
+        for ptr, pp in masters.items():
+            if ptr not in param_ptrs:
+                out["master_weights"] += pp.untyped_storage().nbytes()
+    for group in engine.optimizer.param_groups:
+        for p in group["params"]:
+            for value in engine.optimizer.state.get(p, {}).values():
+                if not torch.is_tensor(value):
+                    continue
+                key = "optimizer_states" if value.shape == p.shape and value.numel() > 0 \
+                    and value.dim() > 0 else "optimizer_scalars"
+                out[key] += _nbytes(value)
+    out["gradient_buckets"] = sum(_nbytes(b) for b in getattr(engine, "_buckets", {}).values())
+    out["model_states"] = (out["parameters"] + out["gradients"] + out["master_weights"]
+                           + out["optimizer_states"])
+    return out

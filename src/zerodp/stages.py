@@ -1,0 +1,69 @@
+"""What each ZeRO stage shards, and when each collective runs — as data.
+
+The engine is one machine for every stage; a ``StagePolicy`` tells it:
+
+* where optimizer state lives (the whole buffer, or this rank's 1/N shard);
+* where gradients live between backward and step (a full buffer, or a shard);
+* how gradients are reduced (all-reduce, or reduce-scatter) and how often (once per
+  accumulation boundary, or after every micro-batch);
+* whether updated shards are all-gathered after the step.
+
+What happens to a gradient, stage by stage (``engine.py`` runs it; ``comm.py`` moves it):
+
+=====  ====================  ===================================  =========================
+stage  gradient storage      reduction                            after the optimizer step
+=====  ====================  ===================================  =========================
+0      full buffer           all-reduce, at the boundary backward nothing (all ranks updated)
+1      full buffer           reduce-scatter, at the boundary      all-gather the parameters
+2      shard (+ buckets in   reduce-scatter of each bucket as it  all-gather the parameters
+       flight in backward)   fills, in every micro-batch
+=====  ====================  ===================================  =========================
+
+At stages 0 and 1 gradients of the micro-batches accumulate locally in the full buffer and
+are communicated once per optimizer step; stage 2 has no full buffer to accumulate into, so it
+reduces every micro-batch (more traffic under accumulation, 1/N the gradient memory).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StagePolicy:
+    stage: int
+    shard_optimizer: bool
+    """Optimizer state (and fp32 masters) for this rank's 1/N shard only."""
+    shard_gradients: bool
+    """Only this rank's gradient shard persists between backward and step."""
+    shard_parameters: bool
+    """Parameters persist as this rank's shard only, gathered around use (stage 3)."""
+    reduction: str
+    """``"all_reduce"`` or ``"reduce_scatter"``."""
+    reduce_every_micro_batch: bool
+    """Reduce in every backward, not only in the accumulation boundary's."""
+
+    @property
+    def gather_after_step(self) -> bool:
+        """Whether updated shards must be all-gathered into the full parameters."""
+        return self.shard_optimizer and not self.shard_parameters
+
+
+POLICIES: dict[int, StagePolicy] = {
+    0: StagePolicy(0, shard_optimizer=False, shard_gradients=False, shard_parameters=False,
+                   reduction="all_reduce", reduce_every_micro_batch=False),
+    1: StagePolicy(1, shard_optimizer=True, shard_gradients=False, shard_parameters=False,
+                   reduction="reduce_scatter", reduce_every_micro_batch=False),
+    2: StagePolicy(2, shard_optimizer=True, shard_gradients=True, shard_parameters=False,
+                   reduction="reduce_scatter", reduce_every_micro_batch=True),
+}
+
+
+def policy_for(stage: int) -> StagePolicy:
+    """The policy of ``stage``; a clear error for stages this version cannot run."""
+    if stage == 3:
+        raise NotImplementedError(
+            "ZeRO stage 3 (parameter sharding) is not available in this version of zerodp; "
+            "use stage 2 (zero_optimization.stage = 2) for now.")
+    if stage not in POLICIES:
+        raise ValueError(f"zero_optimization.stage: got {stage}; allowed: 0, 1, 2, 3")
+    return POLICIES[stage]

@@ -1,0 +1,291 @@
+import json
+import warnings
+
+import pytest
+
+from zerodp.config import (
+    PRESETS,
+    Config,
+    ConfigError,
+    ZeroConfig,
+    describe_fields,
+    get_preset,
+    load_config,
+    resolve_batch_sizes,
+)
+
+
+def load_quietly(config=None, preset=None):
+    """load_config that fails the test if any warning is emitted."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        return load_config(config, preset=preset)
+
+
+# ---------------------------------------------------------------- presets and loading
+
+@pytest.mark.parametrize("name", ["zero0", "zero1", "zero2", "zero3"])
+def test_every_preset_loads(name):
+    cfg = load_quietly(preset=name)
+    assert cfg.zero_optimization.stage == int(name[-1])
+    assert cfg.zero_optimization.overlap_comm is True
+    assert cfg.zero_optimization.reduce_bucket_size == 50_000_000
+    assert cfg.zero_optimization.allgather_bucket_size == 50_000_000
+    assert cfg.optimizer.type == "AdamW"
+    assert cfg.optimizer.params["lr"] == 3e-4
+    assert cfg.gradient_clipping == 1.0
+    assert cfg.train_micro_batch_size_per_gpu == "auto"
+
+
+def test_presets_are_deep_copies():
+    preset = get_preset("zero2")
+    preset["zero_optimization"]["stage"] = 0
+    preset["optimizer"]["params"]["betas"].append(1.0)
+    assert PRESETS["zero2"]["zero_optimization"]["stage"] == 2
+    assert PRESETS["zero2"]["optimizer"]["params"]["betas"] == [0.9, 0.95]
+    override = {"zero_optimization": {"stage": 1}}
+    load_config(override, preset="zero3")
+    assert PRESETS["zero3"]["zero_optimization"]["stage"] == 3
+    assert override == {"zero_optimization": {"stage": 1}}
+
+
+def test_unknown_preset_lists_names():
+    with pytest.raises(ConfigError) as info:
+        load_config(preset="zero9")
+    for name in ("zero9", "zero0", "zero1", "zero2", "zero3"):
+        assert name in str(info.value)
+
+
+def test_defaults():
+    cfg = load_quietly()
+    assert isinstance(cfg, Config)
+    assert cfg.zero_optimization.stage == 0
+    assert cfg.zero_optimization.reduce_bucket_size == 500_000_000
+    assert cfg.gradient_clipping == 0.0
+    assert cfg.steps_per_print == 10
+    assert cfg.optimizer is None and cfg.scheduler is None
+    assert cfg.train_batch_size is None
+
+
+def test_json_file_path(tmp_path):
+    data = {"train_batch_size": 16, "zero_optimization": {"stage": 2},
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}}
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(data))
+    for arg in (path, str(path)):
+        cfg = load_quietly(arg)
+        assert cfg.train_batch_size == 16
+        assert cfg.zero_optimization.stage == 2
+        assert cfg.scheduler.params == {"warmup_num_steps": 10}
+
+
+def test_missing_and_invalid_json_file_named(tmp_path):
+    missing = tmp_path / "nope.json"
+    with pytest.raises(ConfigError, match="nope.json"):
+        load_config(missing)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match="bad.json"):
+        load_config(str(bad))
+
+
+def test_dict_deep_merged_over_preset():
+    cfg = load_quietly({"zero_optimization": {"reduce_bucket_size": 1000},
+                        "optimizer": {"params": {"lr": 1e-3}}}, preset="zero2")
+    assert cfg.zero_optimization.stage == 2  # kept from the preset
+    assert cfg.zero_optimization.reduce_bucket_size == 1000
+    assert cfg.zero_optimization.allgather_bucket_size == 50_000_000
+    assert cfg.optimizer.type == "AdamW"
+    assert cfg.optimizer.params["lr"] == 1e-3
+    assert cfg.optimizer.params["weight_decay"] == 0.1
+
+
+def test_config_instance_passthrough_and_preset():
+    cfg = load_quietly({"zero_optimization": {"stage": 1}})
+    assert load_config(cfg) is cfg
+    merged = load_quietly(cfg, preset="zero3")
+    assert merged.zero_optimization.stage == 1
+    assert merged.optimizer.type == "AdamW"
+
+
+# ---------------------------------------------------------------- batch arithmetic
+
+def batch(world_size, **kw):
+    return resolve_batch_sizes(load_quietly(kw), world_size)
+
+
+def test_batch_all_three_consistent_and_inconsistent():
+    assert batch(3, train_batch_size=24, train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2) == (24, 4, 2)
+    with pytest.raises(ConfigError) as info:
+        batch(3, train_batch_size=32, train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2)
+    msg = str(info.value)
+    for part in ("train_batch_size 32", "train_micro_batch_size_per_gpu 4", "gradient_accumulation_steps 2",
+                 "world_size 3", "24"):
+        assert part in msg
+
+
+def test_batch_two_given_derives_third():
+    assert batch(2, train_batch_size=32, train_micro_batch_size_per_gpu=4) == (32, 4, 4)
+    assert batch(2, train_batch_size=32, gradient_accumulation_steps=4) == (32, 4, 4)
+    assert batch(2, train_micro_batch_size_per_gpu=3, gradient_accumulation_steps=5) == (30, 3, 5)
+    with pytest.raises(ConfigError) as info:
+        batch(2, train_batch_size=10, train_micro_batch_size_per_gpu=4)
+    msg = str(info.value)
+    assert "train_batch_size 10" in msg and "4" in msg and "world_size 2" in msg and "8" in msg
+    with pytest.raises(ConfigError) as info:
+        batch(2, train_batch_size=10, gradient_accumulation_steps=3)
+    msg = str(info.value)
+    assert "train_batch_size 10" in msg and "gradient_accumulation_steps 3" in msg and "6" in msg
+
+
+def test_batch_only_train_batch_size():
+    assert batch(4, train_batch_size=32) == (32, 8, 1)
+    with pytest.raises(ConfigError) as info:
+        batch(4, train_batch_size=10)
+    msg = str(info.value)
+    assert "10" in msg and "world_size 4" in msg
+
+
+def test_batch_one_or_none_given():
+    assert batch(2, train_micro_batch_size_per_gpu=8) == (16, 8, 1)
+    assert batch(2, gradient_accumulation_steps=3) == (6, 1, 3)
+    assert batch(2) == (2, 1, 1)
+    assert batch(1, train_batch_size="auto", train_micro_batch_size_per_gpu="auto",
+                 gradient_accumulation_steps="auto") == (1, 1, 1)
+    assert resolve_batch_sizes(load_quietly(preset="zero1"), 4) == (4, 1, 1)
+
+
+def test_batch_bad_world_size():
+    with pytest.raises(ConfigError, match="world_size"):
+        batch(0)
+
+
+def test_batch_value_must_be_positive():
+    with pytest.raises(ConfigError) as info:
+        load_config({"train_micro_batch_size_per_gpu": 0})
+    assert "train_micro_batch_size_per_gpu" in str(info.value) and "0" in str(info.value)
+
+
+# ---------------------------------------------------------------- schema errors
+
+@pytest.mark.parametrize("config, path, value", [
+    ({"zero_optimization": {"stage": 5}}, "zero_optimization.stage", "5"),
+    ({"zero_optimization": {"reduce_bucket_size": 0}}, "zero_optimization.reduce_bucket_size", "0"),
+    ({"zero_optimization": {"allgather_bucket_size": 2.5}}, "zero_optimization.allgather_bucket_size", "2.5"),
+    ({"gradient_clipping": -1.0}, "gradient_clipping", "-1.0"),
+    ({"steps_per_print": 0}, "steps_per_print", "0"),
+    ({"scheduler": {"type": "OneCycle"}}, "scheduler.type", "OneCycle"),
+])
+def test_schema_errors_name_path_and_value(config, path, value):
+    with pytest.raises(ConfigError) as info:
+        load_config(config)
+    msg = str(info.value)
+    assert path in msg and value in msg and "allowed" in msg
+
+
+def test_bad_stage_lists_allowed_values():
+    with pytest.raises(ConfigError, match=r"zero_optimization\.stage: got 5; allowed: 0, 1, 2, 3"):
+        load_config({"zero_optimization": {"stage": 5}})
+
+
+def test_unknown_scheduler_lists_allowed_types():
+    with pytest.raises(ConfigError) as info:
+        load_config({"scheduler": {"type": "OneCycle"}})
+    for name in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"):
+        assert name in str(info.value)
+
+
+def test_multiple_errors_reported_together():
+    with pytest.raises(ConfigError) as info:
+        load_config({"zero_optimization": {"stage": 7}, "gradient_clipping": -2.0})
+    assert "zero_optimization.stage" in str(info.value) and "gradient_clipping" in str(info.value)
+
+
+# ---------------------------------------------------------------- unknown and unsupported keys
+
+def test_unknown_keys_warn_once_each_with_full_path():
+    with pytest.warns(UserWarning) as record:
+        cfg = load_config({"foo_bar": 1, "zero_optimization": {"round_robin_gradients": True}})
+    messages = [str(w.message) for w in record]
+    assert sum("'foo_bar'" in m for m in messages) == 1
+    assert sum("'zero_optimization.round_robin_gradients'" in m for m in messages) == 1
+    assert cfg.zero_optimization.stage == 0
+
+
+@pytest.mark.parametrize("config, path", [
+    ({"bf16": {"enabled": True}}, "bf16.enabled"),
+    ({"bfloat16": {"enabled": True}}, "bf16.enabled"),
+    ({"fp16": {"enabled": True, "loss_scale": 0}}, "fp16.enabled"),
+    ({"amp": {"enabled": True}}, "amp.enabled"),
+])
+def test_mixed_precision_rejected(config, path):
+    with pytest.raises(ConfigError) as info:
+        load_config(config)
+    assert path in str(info.value) and "fp32" in str(info.value)
+
+
+def test_disabled_precision_blocks_accepted():
+    cfg = load_quietly({"bf16": {"enabled": False},
+                        "fp16": {"enabled": False, "loss_scale": 0, "initial_scale_power": 12, "hysteresis": 2}})
+    assert cfg.fp16.initial_scale_power == 12
+
+
+@pytest.mark.parametrize("key", ["offload_optimizer", "offload_param"])
+def test_offload_rejected_unless_none(key):
+    with pytest.raises(ConfigError) as info:
+        load_config({"zero_optimization": {key: {"device": "cpu", "pin_memory": True}}})
+    msg = str(info.value)
+    assert f"zero_optimization.{key}.device" in msg and "cpu" in msg and "offload" in msg
+    cfg = load_quietly({"zero_optimization": {key: {"device": "none", "pin_memory": True}}})
+    assert getattr(cfg.zero_optimization, key).device == "none"
+
+
+@pytest.mark.parametrize("config, path", [
+    ({"gradient_predivide_factor": 2.0}, "gradient_predivide_factor"),
+    ({"prescale_gradients": True}, "prescale_gradients"),
+    ({"sparse_gradients": True}, "sparse_gradients"),
+    ({"zero_optimization": {"cpu_offload": True}}, "zero_optimization.cpu_offload"),
+])
+def test_result_changing_keys_rejected(config, path):
+    with pytest.raises(ConfigError, match=path):
+        load_config(config)
+
+
+def test_result_changing_keys_at_default_accepted_silently():
+    load_quietly({"gradient_predivide_factor": 1.0, "prescale_gradients": False, "sparse_gradients": False,
+                  "amp": {"enabled": False, "opt_level": "O1"}})
+
+
+# ---------------------------------------------------------------- zero block details
+
+def test_float_bucket_sizes_become_ints():
+    zero = load_quietly({"zero_optimization": {"reduce_bucket_size": 2e8, "allgather_bucket_size": 5e7,
+                                               "stage3_prefetch_bucket_size": 1e6}}).zero_optimization
+    assert zero.reduce_bucket_size == 200000000 and type(zero.reduce_bucket_size) is int
+    assert zero.allgather_bucket_size == 50_000_000 and type(zero.allgather_bucket_size) is int
+    assert zero.stage3_prefetch_bucket_size == 1_000_000
+
+
+def test_overlap_comm_effective_defaults():
+    for stage in (0, 1, 2):
+        assert ZeroConfig(stage=stage).overlap_comm_effective is False
+    assert ZeroConfig(stage=3).overlap_comm_effective is True
+    assert ZeroConfig(stage=3, overlap_comm=False).overlap_comm_effective is False
+    assert ZeroConfig(stage=1, overlap_comm=True).overlap_comm_effective is True
+
+
+def test_stage3_keys_stored():
+    zero = load_quietly({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1e9,
+                                               "stage3_gather_16bit_weights_on_model_save": True}}).zero_optimization
+    assert zero.stage == 3 and zero.stage3_max_live_parameters == 10**9
+    assert zero.stage3_gather_16bit_weights_on_model_save is True
+
+
+def test_describe_fields():
+    rows = describe_fields()
+    keys = {key: (default, doc) for key, default, doc in rows}
+    assert keys["zero_optimization.stage"][0] == "0"
+    assert keys["zero_optimization.reduce_bucket_size"][0] == "500000000"
+    assert keys["gradient_clipping"][0] == "0.0"
+    assert "scheduler.type" in keys and "train_batch_size" in keys
+    assert all(doc for _, _, doc in rows)
