@@ -1,0 +1,187 @@
+"""Step time and memory: plain DDP against zerodp stages 0, 1 and 2 on the example GPT.
+
+Each (system, repetition) runs in a fresh set of processes (``torchrun``), so peak RSS is
+that system's own; the systems are interleaved within every repetition, so machine noise
+falls on all of them alike. The table reports, per world size and system, the median
+optimizer-step time over all repetitions, its ratio to DDP's, peak RSS per rank (max over
+ranks, median over repetitions), model-state bytes per rank, bytes communicated per step,
+and the loss after the run (every system must reach the same loss).
+
+    python benchmarks/ddp_vs_zero.py                     # world sizes 2 and 4, 3 repetitions
+    python benchmarks/ddp_vs_zero.py --worlds 2 --reps 5 --model small
+
+Set ``MALLOC_MMAP_THRESHOLD_=65536`` (the driver does it for its workers) or glibc keeps
+freed memory and peak RSS hides the savings.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+SYSTEMS = ["ddp", "zero0", "zero1", "zero2"]
+
+
+# ---------------------------------------------------------------------------- worker side
+
+def _worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import zerodp
+    from zerodp import accelerator
+    from zerodp.examples.gpt import ByteCorpus, build_gpt
+
+    accelerator.init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = accelerator.default_device()
+    torch.manual_seed(args.seed)
+    model = build_gpt(args.model).to(device)
+    block = model.config.block_size
+    corpus = ByteCorpus(max_bytes=2_000_000)
+    gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
+    batches = [corpus.batch("train", args.micro_batch, block, generator=gen)
+               for _ in range(args.warmup + args.steps)]
+    bucket_elems = int(args.bucket_mb * 2**20 / 4)
+    adamw = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+
+    if args.system == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        net = DDP(model, bucket_cap_mb=args.bucket_mb)
+        opt = torch.optim.AdamW(model.parameters(), **adamw)
+
+        def train_step(x, y):
+            _, loss = net(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+        comm_bytes = 2 * sum(p.numel() * 4 for p in model.parameters()) * (world - 1) / world
+
+        def model_state_bytes():
+            params = sum(p.numel() * p.element_size() for p in model.parameters())
+            states = sum(v.numel() * v.element_size() for s in opt.state.values()
+                         for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
+            return 2 * params + states  # params + grads (DDP keeps grads allocated) + moments
+    else:
+        stage = int(args.system[-1])
+        config = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
+                  "optimizer": {"type": "AdamW", "params": {**adamw, "betas": list(adamw["betas"])}},
+                  "steps_per_print": 10**9,
+                  "zero_optimization": {"stage": stage, "overlap_comm": True,
+                                        "reduce_bucket_size": bucket_elems,
+                                        "allgather_bucket_size": bucket_elems}}
+        engine, _, _, _ = zerodp.initialize(model=model, config=config)
+
+        def train_step(x, y):
+            _, loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            return loss
+        comm_bytes = None
+
+        def model_state_bytes():
+            return engine.memory_breakdown()["model_states"]
+
+    times, losses = [], []
+    for i, (x, y) in enumerate(batches):
+        x, y = x.to(device), y.to(device)
+        accelerator.synchronize(device)
+        t0 = time.perf_counter()
+        loss = train_step(x, y)
+        accelerator.synchronize(device)
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+    if comm_bytes is None:
+        comm_bytes = engine.comm_stats()["total"]
+    # mean of this step's per-rank losses = the global-batch loss
+    final = torch.tensor(losses[-1], device=device)
+    dist.all_reduce(final)
+    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    row = {"rank": rank, "step_s": statistics.median(times), "rss_mib": rss_kib / 1024,
+           "model_state_mib": model_state_bytes() / 2**20, "comm_mib": comm_bytes / 2**20,
+           "final_loss": final.item() / world}
+    rows = [None] * world
+    dist.all_gather_object(rows, row)
+    if rank == 0:
+        print("RESULT " + json.dumps(rows), flush=True)
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------- driver side
+
+def _launch(system: str, world: int, args: argparse.Namespace) -> list[dict]:
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536",
+               OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // world)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+           os.path.abspath(__file__), "--worker", "--system", system, "--model", args.model,
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--micro-batch", str(args.micro_batch),
+           "--bucket-mb", str(args.bucket_mb), "--seed", str(args.seed)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise RuntimeError(f"{system} at world {world} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+
+
+def _table(results: dict, worlds: list[int]) -> str:
+    lines = ["| world | system | step time (ms, median) | vs DDP | peak RSS / rank (MiB) | "
+             "model states / rank (MiB) | comm / step / rank (MiB) | final loss |",
+             "|---|---|---|---|---|---|---|---|"]
+    for world in worlds:
+        ddp_t = statistics.median(r["step_s"] for reps in results[(world, "ddp")] for r in reps)
+        for system in SYSTEMS:
+            reps = results[(world, system)]
+            step = statistics.median(r["step_s"] for rows in reps for r in rows)
+            rss = statistics.median(max(r["rss_mib"] for r in rows) for rows in reps)
+            ms = max(r["model_state_mib"] for r in reps[0])
+            comm = max(r["comm_mib"] for r in reps[0])
+            loss = reps[-1][0]["final_loss"]
+            lines.append(f"| {world} | {system} | {step * 1e3:.1f} | {step / ddp_t:.3f} | {rss:.0f} | "
+                         f"{ms:.1f} | {comm:.1f} | {loss:.4f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--reps", type=int, default=3, help="repetitions of every system (interleaved)")
+    ap.add_argument("--model", default="small", help="example GPT preset (tiny, small, medium)")
+    ap.add_argument("--steps", type=int, default=12, help="timed optimizer steps per run")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--bucket-mb", type=float, default=25.0,
+                    help="gradient bucket size in MiB for DDP and zerodp alike")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--markdown", help="also write the table to this file")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--system", choices=SYSTEMS, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        _worker(args)
+        return
+    results: dict = {(w, s): [] for w in args.worlds for s in SYSTEMS}
+    for rep in range(args.reps):
+        for world in args.worlds:
+            for system in SYSTEMS:
+                rows = _launch(system, world, args)
+                results[(world, system)].append(rows)
+                print(f"rep {rep + 1}/{args.reps} world {world} {system:6s} "
+                      f"step {statistics.median(r['step_s'] for r in rows) * 1e3:8.1f} ms", flush=True)
+    table = _table(results, args.worlds)
+    print(f"\nmodel={args.model} micro_batch={args.micro_batch} steps={args.steps} reps={args.reps} "
+          f"bucket={args.bucket_mb} MiB, CPU/gloo\n")
+    print(table)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(table + "\n")
+
+
+if __name__ == "__main__":
+    main()

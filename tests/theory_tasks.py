@@ -1,0 +1,34 @@
+"""Worker tasks for the memory and communication accounting tests."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zerodp
+
+
+def build_known_model(widths: list[int], seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    layers = [nn.Linear(a, b, bias=False) for a, b in zip(widths[:-1], widths[1:])]
+    return nn.Sequential(*[m for layer in layers for m in (layer, nn.Tanh())])
+
+
+def measure(group, stage: int, widths: list[int], gas: int = 1, steps: int = 2,
+            bucket: int = 500_000_000) -> dict:
+    """Train a bias-free MLP with AdamW; return the engine's ledger and byte counts."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    model = build_known_model(widths)
+    cfg = {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": gas,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "steps_per_print": 10**9,
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "overlap_comm": True}}
+    engine, _, _, _ = zerodp.initialize(model=model, config=cfg, process_group=group)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(steps * gas):
+        x = torch.randn(3, widths[0], generator=gen)
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+    out = {"memory": engine.memory_breakdown(), "comm": engine.comm_stats(),
+           "layout": [(g.numel, g.padded_numel) for g in engine.flat_groups]}
+    engine.destroy()
+    return out
