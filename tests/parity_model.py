@@ -68,11 +68,11 @@ OPTIMIZERS = {"AdamW": (torch.optim.AdamW, ADAMW), "SGD": (torch.optim.SGD, SGD)
 
 
 def make_config(stage: int, world: int, gas: int = 1, clip: float = 0.0, bucket: int = 500_000_000,
-                overlap: bool = True, optimizer: str = "AdamW") -> dict:
+                overlap: bool = True, optimizer: str = "AdamW", reduce_scatter: bool = True) -> dict:
     return {"train_batch_size": MICRO * gas * world, "train_micro_batch_size_per_gpu": MICRO,
             "gradient_clipping": clip, "steps_per_print": 10_000,
             "optimizer": {"type": optimizer, "params": dict(OPTIMIZERS[optimizer][1])},
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket,
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "reduce_scatter": reduce_scatter,
                                   "overlap_comm": overlap}}
 
 
@@ -99,13 +99,14 @@ def reference(world: int, steps: int, gas: int = 1, clip: float = 0.0, optimizer
 
 
 def train_engine(group, stage: int, steps: int, gas: int = 1, clip: float = 0.0,
-                 bucket: int = 500_000_000, overlap: bool = True, optimizer: str = "AdamW") -> dict:
+                 bucket: int = 500_000_000, overlap: bool = True, optimizer: str = "AdamW",
+                 reduce_scatter: bool = True) -> dict:
     """Worker task: the same training through zerodp; returns params and engine facts."""
     import torch.distributed as dist
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     model = build_model()
     engine, _, _, _ = zerodp.initialize(model=model, model_parameters=param_groups(model),
-                                        config=make_config(stage, world, gas, clip, bucket, overlap, optimizer),
+                                        config=make_config(stage, world, gas, clip, bucket, overlap, optimizer, reduce_scatter),
                                         process_group=group)
     norms = []
     for step in range(steps):
@@ -116,5 +117,5 @@ def train_engine(group, stage: int, steps: int, gas: int = 1, clip: float = 0.0,
         norms.append(engine.get_global_grad_norm())
     engine.destroy()
     return {"params": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
-            "norms": norms, "global_steps": engine.global_steps,
+            "norms": norms, "global_steps": engine.global_steps, "comm": engine.comm_stats(),
             "groups": len(engine.flat_groups)}

@@ -44,3 +44,13 @@ def test_reference_trains():
     assert min(norms) > 0.5  # so clipping bites in the parity runs
     assert max((after[n] - before[n]).abs().max().item() for n in before if "frozen" not in n) > 1e-3
     assert all(torch.equal(after[n], before[n]) for n in before if "frozen" in n)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_parity_all_reduce_instead_of_reduce_scatter(pool, stage):
+    """reduce_scatter: false reduces gradients by all-reduce: same numbers, and the traffic
+    shows up as all-reduce, none as reduce-scatter."""
+    results = pool.run(train_engine, 2, stage, STEPS, gas=2, clip=0.5, bucket=60, reduce_scatter=False)
+    assert_matches(results, reference(2, STEPS, gas=2, clip=0.5))
+    comm = results[0]["comm"]
+    assert comm["reduce_scatter"] == 0 and comm["all_reduce"] > 0 and comm["all_gather"] > 0

@@ -89,12 +89,12 @@ class ZeroConfig(_Section):
     stage: _Stage = Field(0, description="ZeRO stage: 0 = plain data parallel, 1 = shard optimizer states, "
                                          "2 = also shard gradients, 3 = also shard parameters.")
     reduce_bucket_size: _Positive = Field(500_000_000, description="Elements per gradient reduce bucket.")
-    allgather_bucket_size: _Positive = Field(500_000_000, description="Elements per parameter all-gather bucket.")
+    allgather_bucket_size: _Positive = Field(500_000_000, description="Elements per parameter all-gather bucket. zerodp gathers updated shards per flat group, and flat groups are at most reduce_bucket_size elements, so this is accepted for compatibility.")
     overlap_comm: bool | None = Field(None, description="Overlap gradient communication with backward; "
                                                         "null means false for stages 0-2 and true for stage 3.")
-    contiguous_gradients: bool = Field(True, description="Copy gradients into a contiguous buffer as produced.")
-    reduce_scatter: bool = Field(True, description="Average gradients by reduce-scatter instead of all-reduce.")
-    allgather_partitions: bool = Field(True, description="Gather updated partitions by all-gather, not broadcasts.")
+    contiguous_gradients: bool = Field(True, description="Accepted for compatibility: zerodp always collects gradients into contiguous flat buffers as they are produced.")
+    reduce_scatter: bool = Field(True, description="Stages 1-2: reduce gradients by reduce-scatter (true) or by all-reduce, each rank then keeping its shard (false; same numbers, twice the gradient traffic).")
+    allgather_partitions: bool = Field(True, description="Accepted for compatibility: zerodp picks the all-gather form that is fastest on the backend (per-owner broadcasts on gloo, all_gather_single on NCCL).")
     stage3_prefetch_bucket_size: _Positive = Field(
         50_000_000, description="Stage 3: elements of parameters to prefetch.")
     stage3_param_persistence_threshold: _NonNegative = Field(
@@ -171,8 +171,8 @@ class Config(_Section):
     gradient_clipping: float = Field(0.0, ge=0.0, allow_inf_nan=False,
                                      description="Max global gradient L2 norm; 0 disables clipping.")
     steps_per_print: _Positive = Field(10, description="Log progress every this many optimizer steps.")
-    wall_clock_breakdown: bool = Field(False, description="Log forward/backward/step timings.")
-    seed: int | None = Field(None, description="Random seed; null leaves RNG state alone.")
+    wall_clock_breakdown: bool = Field(False, description="Log the mean forward, backward and step times every steps_per_print steps (rank 0).")
+    seed: int | None = Field(None, description="Stored for compatibility; zerodp does not seed RNGs (every rank starts from rank 0's initial parameters, broadcast at initialize).")
     optimizer: OptimizerConfig | None = Field(
         None, description="Optimizer built by the engine; null if you pass your own.")
     scheduler: SchedulerConfig | None = Field(None, description="Learning-rate scheduler built by the engine.")

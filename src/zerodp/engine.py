@@ -26,7 +26,9 @@ import contextlib
 import functools
 import logging
 import math
+import time
 import warnings
+from collections import defaultdict
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -87,6 +89,7 @@ class ZeroEngine(nn.Module):
         self._reducing = False
         self._reduced_for_boundary = False
         self._used = [[False] * len(g.params) for g in self.trainable]
+        self._timings: dict[str, list[float]] = defaultdict(list)
         self._reset_backward_state()
 
     # -- set-up -------------------------------------------------------------------------
@@ -209,8 +212,21 @@ class ZeroEngine(nn.Module):
 
     # -- forward / backward -------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _timed(self, name: str):
+        """Record the wall time of a phase when ``wall_clock_breakdown`` is on."""
+        if not self.config.wall_clock_breakdown:
+            yield
+            return
+        accelerator.synchronize(self.device)
+        t0 = time.perf_counter()
+        yield
+        accelerator.synchronize(self.device)
+        self._timings[name].append(time.perf_counter() - t0)
+
     def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        with self._timed("forward"):
+            return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Backpropagate ``loss`` (scaled by 1/gradient_accumulation_steps) and reduce
@@ -219,11 +235,12 @@ class ZeroEngine(nn.Module):
         self._reset_backward_state()
         self._reducing = not self._in_no_sync and (self.policy.reduce_every_micro_batch or boundary)
         scaled = loss / self._gas if self._gas > 1 else loss
-        scaled.backward(retain_graph=retain_graph)
-        if self._reducing:
-            self._finish_reduction()
-            if boundary:
-                self._reduced_for_boundary = True
+        with self._timed("backward"):
+            scaled.backward(retain_graph=retain_graph)
+            if self._reducing:
+                self._finish_reduction()
+        if self._reducing and boundary:
+            self._reduced_for_boundary = True
         self._reducing = False
         return loss
 
@@ -269,16 +286,16 @@ class ZeroEngine(nn.Module):
     def _launch_reduction(self, t: int) -> None:
         g = self.trainable[t]
         buf = self._grad_buffer(t)
-        if self.policy.reduction == "all_reduce":
-            handle = self.comm.all_reduce_sum(buf, async_op=self.overlap_comm)
-        elif g.grad_full is not None:
-            handle = self.comm.reduce_scatter_sum(buf, async_op=self.overlap_comm)
+        if self.policy.reduction == "all_reduce" or not self.zero_config.reduce_scatter:
+            collective = self.comm.all_reduce_sum
         else:
-            def accumulate_shard(g=g, buf=buf, t=t):
+            collective = self.comm.reduce_scatter_sum
+        then = None
+        if g.grad_full is None:  # stage 2: keep this rank's part of the bucket, free the rest
+            def then(g=g, buf=buf, t=t):
                 g.grad_shard.add_(g.shard_of(buf))
                 self._buckets.pop(t, None)
-            handle = self.comm.reduce_scatter_sum(buf, async_op=self.overlap_comm, then=accumulate_shard)
-        self._handles.append(handle)
+        self._handles.append(collective(buf, async_op=self.overlap_comm, then=then))
 
     def _finish_reduction(self) -> None:
         """Launch the groups autograd never completed (unused parameters), then wait for all."""
@@ -320,7 +337,8 @@ class ZeroEngine(nn.Module):
                 "step() at a gradient-accumulation boundary, but that micro-batch's gradients were "
                 "not reduced: its backward ran inside no_sync() or engine.backward was not called. "
                 "Run the boundary micro-batch's backward outside no_sync().")
-        self._apply_update()
+        with self._timed("step"):
+            self._apply_update()
         self.micro_steps += 1
         self.global_steps += 1
         self.comm.counter.close_step()
@@ -328,6 +346,11 @@ class ZeroEngine(nn.Module):
         if self.global_steps % self.config.steps_per_print == 0 and self.comm.rank == 0:
             logger.info("step %d: lr=%s grad_norm=%.4g", self.global_steps,
                         [round(lr, 8) for lr in self.get_lr()], self._global_grad_norm)
+            if self._timings:
+                logger.info("step %d: mean ms %s", self.global_steps, ", ".join(
+                    f"{k} {1e3 * sum(v) / len(v):.1f}" for k, v in self._timings.items()))
+        if self.global_steps % self.config.steps_per_print == 0:
+            self._timings.clear()
 
     def _apply_update(self) -> None:
         inv_world = 1.0 / self.dp_world_size
