@@ -88,7 +88,7 @@ class ZeroConfig(_Section):
 
     stage: _Stage = Field(0, description="ZeRO stage: 0 = plain data parallel, 1 = shard optimizer states, "
                                          "2 = also shard gradients, 3 = also shard parameters.")
-    reduce_bucket_size: _Positive = Field(500_000_000, description="Elements per gradient reduce bucket.")
+    reduce_bucket_size: _Positive = Field(500_000_000, description="Elements per gradient reduce bucket. Parameters are laid out in flat groups of at most this many elements (a larger parameter gets a group of its own); a group is reduced as soon as all its gradients are ready.")
     allgather_bucket_size: _Positive = Field(500_000_000, description="Elements per parameter all-gather bucket. zerodp gathers updated shards per flat group, and flat groups are at most reduce_bucket_size elements, so this is accepted for compatibility.")
     overlap_comm: bool | None = Field(None, description="Overlap gradient communication with backward; "
                                                         "null means false for stages 0-2 and true for stage 3.")

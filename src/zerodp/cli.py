@@ -1,0 +1,207 @@
+"""The ``zerodp`` command line.
+
+``zerodp <command> [options]``; each command is an entry of :data:`COMMANDS`: a help line,
+a function that adds its options to an ``argparse`` sub-parser, and a function that runs it
+and returns the exit code.
+
+``zerodp train`` launches ``python -m torch.distributed.run --standalone --nproc-per-node N
+-m zerodp.train ...`` underneath (``zerodp.train`` is the per-rank worker) and returns its
+exit code; with ``--nproc 1`` it trains in this process.
+
+Exit codes: 0 success, 2 usage or configuration error (message, no traceback), 130
+interrupted, otherwise the failing training run's code.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+__all__ = ["main", "build_parser", "COMMANDS", "Command"]
+
+PROG = "zerodp"
+
+
+@dataclass(frozen=True)
+class Command:
+    """One ``zerodp`` subcommand."""
+
+    help: str
+    description: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+def _error(message: str, command: str = "train") -> None:
+    print(f"{PROG} {command}: error: {message}", file=sys.stderr)
+
+
+# -- zerodp train ---------------------------------------------------------------------------
+
+def _train_add_arguments(parser: argparse.ArgumentParser) -> None:
+    from . import train
+    train.add_arguments(parser)
+
+
+def _worker_env(nproc: int) -> dict[str, str]:
+    from . import train
+    env = dict(os.environ)
+    env[train.WORKER_ENV] = "1"
+    if "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    return env
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from . import train
+    from .config import ConfigError
+
+    if os.environ.get(train.WORKER_ENV) == "1":  # already one of the launched ranks
+        return train.main(train.to_argv(args))
+    try:
+        train.check_args(args)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # rank 0 reports unknown keys once
+            train.check_config(train.build_config(args), args.nproc)
+    except (ConfigError, train.UsageError) as e:
+        _error(str(e))
+        return 2
+    if args.out:
+        try:
+            os.makedirs(args.out, exist_ok=True)
+        except OSError as e:
+            _error(f"--out: cannot create directory {args.out!r}: {e.strerror or e}")
+            return 2
+    if args.nproc == 1:
+        return train.main(train.to_argv(args))
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node", str(args.nproc), "-m", "zerodp.train", *train.to_argv(args)]
+    return _launch(cmd, _worker_env(args.nproc))
+
+
+def _launch(cmd: list[str], env: dict[str, str]) -> int:
+    """Run the torchrun launcher and return its exit code, reporting a failure.
+
+    The launcher runs in a session of its own, so a terminal's Ctrl-C reaches it only
+    through here, exactly once: the first Ctrl-C (or a SIGTERM to this process) is forwarded
+    as SIGINT and torchrun stops the workers; a second one kills torchrun and the workers.
+    """
+    try:
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    except OSError as e:
+        _error(f"cannot start {cmd[0]}: {e}")
+        return 1
+
+    def on_sigterm(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    interrupts = 0
+    try:
+        while True:
+            try:
+                rc = proc.wait()
+                break
+            except KeyboardInterrupt:
+                if proc.poll() is not None:
+                    continue
+                interrupts += 1
+                if interrupts == 1:
+                    print(f"\n{PROG} train: interrupted; stopping the workers "
+                          "(Ctrl-C again to kill them)", file=sys.stderr)
+                    proc.send_signal(signal.SIGINT)
+                else:
+                    print(f"\n{PROG} train: killing the workers", file=sys.stderr)
+                    _kill_tree(proc.pid)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if interrupts:
+        return 130
+    if rc != 0:
+        what = f"killed by signal {-rc}" if rc < 0 else f"exit code {rc}"
+        _error(f"training failed ({what}); see the messages above")
+        return rc if rc > 0 else 128 - rc
+    return 0
+
+
+def _children(pid: int) -> list[int]:
+    """Child process ids of ``pid`` (Linux ``/proc``; empty where unavailable)."""
+    kids: list[int] = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                kids += [int(k) for k in f.read().split()]
+    except OSError:
+        pass
+    return kids
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL torchrun and its workers (each worker leads a process group of its own)."""
+    for child in _children(pid):
+        for kill in (os.killpg, os.kill):
+            try:
+                kill(child, signal.SIGKILL)
+                break
+            except (ProcessLookupError, PermissionError):
+                continue
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+COMMANDS: dict[str, Command] = {
+    "train": Command(
+        help="train the example GPT with a ZeRO stage on N local processes",
+        description=(
+            "Train the example byte-level GPT on Python standard-library source with a ZeRO "
+            "data-parallel engine on N local processes (torchrun underneath; CUDA + NCCL when "
+            "GPUs are present, else CPU + gloo). Rank 0 shows a progress bar (smoothed loss, "
+            "learning rate, gradient norm, global tokens/s), then per-rank model-state memory "
+            "and per-step communication tables and the first/last train loss and final "
+            "validation loss."),
+        add_arguments=_train_add_arguments,
+        run=_run_train,
+    ),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="zerodp: ZeRO data-parallel training for PyTorch with DeepSpeed-compatible "
+                    "configs.",
+        epilog="Run 'zerodp <command> --help' for the options of a command.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="<command>", title="commands")
+    for name, command in COMMANDS.items():
+        p = sub.add_parser(name, help=command.help, description=command.description)
+        command.add_arguments(p)
+        p.set_defaults(_run=command.run)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Entry point of the ``zerodp`` console script; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "_run", None) is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return args._run(args)
+    except KeyboardInterrupt:
+        print(f"\n{PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

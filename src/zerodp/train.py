@@ -1,0 +1,461 @@
+"""The ``zerodp train`` job: train the example byte-level GPT with a ZeRO engine.
+
+This module is the worker: every rank runs :func:`main` (``python -m zerodp.train``, normally
+started by ``zerodp train``, which launches ``torch.distributed.run`` underneath). It
+
+1. builds the config from ``--preset`` and/or ``--config`` plus the command-line overrides
+   (micro-batch, gradient accumulation, learning rate; ``train_batch_size`` follows from
+   ``micro x accum x world``);
+2. builds the GPT under ``torch.manual_seed(seed)``, so every rank starts from the same
+   weights, and wraps it with :func:`zerodp.initialize`;
+3. trains ``--steps`` optimizer steps; each rank samples its own micro-batches from the
+   training split with a generator seeded by ``(seed, rank)``;
+4. evaluates the mean validation loss over a few fixed batches every ``--eval-every`` steps;
+5. gathers every rank's model-state memory and per-step communication and prints them as
+   tables (rank 0), optionally writing ``summary.json``.
+
+Rank 0 shows a progress bar (smoothed loss, learning rate, gradient norm, global tokens/s);
+the other ranks print nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import accelerator, initialize
+from .config import PRESETS, Config, ConfigError, load_config, resolve_batch_sizes
+from .examples.gpt import GPT_PRESETS, ByteCorpus, build_gpt
+from .optim import build_scheduler, check_elementwise, optimizer_factory_from_config
+from .stages import policy_for
+
+__all__ = ["add_arguments", "to_argv", "check_args", "build_config", "check_config", "format_table",
+           "run", "main", "UsageError", "WORKER_ENV"]
+
+#: Environment variable set by ``zerodp train`` for the processes it launches.
+WORKER_ENV = "ZERODP_TRAIN_WORKER"
+
+DEFAULT_PRESET = "zero2"
+DEFAULT_MODEL = "small"
+DEFAULT_STEPS = 600
+DEFAULT_MICRO_BATCH = 16
+DEFAULT_GRAD_ACCUM = 1
+DEFAULT_LR = 1e-3
+DEFAULT_MAX_BYTES = 4 * 1024 * 1024
+DEFAULT_EVAL_EVERY = 100
+EVAL_BATCHES_PER_RANK = 4
+LOSS_WINDOW = 10
+MODELS = tuple(GPT_PRESETS)
+MIB = 1024.0 * 1024.0
+
+
+class UsageError(ValueError):
+    """Command-line options that cannot work together (reported without a traceback)."""
+
+
+# -- arguments ------------------------------------------------------------------------------
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``zerodp train`` (shared by the launcher and the worker)."""
+    run = parser.add_argument_group("processes")
+    run.add_argument("--nproc", type=_positive_int, default=2, metavar="N",
+                     help="number of data-parallel processes (ranks) to launch with torchrun; "
+                          "1 runs in this process (default: %(default)s)")
+    cfg = parser.add_argument_group("configuration")
+    cfg.add_argument("--preset", choices=list(PRESETS), default=None,
+                     help=f"built-in ZeRO config: stage 0-3 with AdamW and gradient clipping "
+                          f"(default: {DEFAULT_PRESET}, or none when --config is given)")
+    cfg.add_argument("--config", metavar="PATH", default=None,
+                     help="DeepSpeed-style JSON config; with --preset it is merged over the preset. "
+                          "It must have an 'optimizer' block unless a preset supplies one")
+    cfg.add_argument("--micro-batch", type=_positive_int, default=None, metavar="B",
+                     help="sequences per rank per forward/backward (train_micro_batch_size_per_gpu; "
+                          f"default: the config's value, else {DEFAULT_MICRO_BATCH})")
+    cfg.add_argument("--grad-accum", type=_positive_int, default=None, metavar="K",
+                     help="micro-batches per optimizer step (gradient_accumulation_steps; default: "
+                          f"the config's value, else {DEFAULT_GRAD_ACCUM}). train_batch_size = "
+                          "micro x accum x nproc; a train_batch_size in --config is honoured, "
+                          "the missing factor derived from it")
+    cfg.add_argument("--lr", type=_positive_float, default=None,
+                     help="learning rate (optimizer.params.lr; default: the lr set in --config, "
+                          f"else {DEFAULT_LR:g})")
+    job = parser.add_argument_group("model and data")
+    job.add_argument("--model", choices=MODELS, default=DEFAULT_MODEL,
+                     help="example byte-level GPT: " + ", ".join(
+                         f"{name} ({c.n_layer} layers x {c.n_embd}, context {c.block_size})"
+                         for name, c in GPT_PRESETS.items()) + " (default: %(default)s)")
+    job.add_argument("--steps", type=_positive_int, default=DEFAULT_STEPS,
+                     help="optimizer steps to train (default: %(default)s)")
+    job.add_argument("--seed", type=int, default=0,
+                     help="seed for the model's initialization and the data sampling "
+                          "(default: %(default)s)")
+    job.add_argument("--eval-every", type=_non_negative_int, default=DEFAULT_EVAL_EVERY, metavar="N",
+                     help="evaluate the mean validation loss over a few fixed batches every N "
+                          "steps and at the end; 0 disables evaluation (default: %(default)s)")
+    job.add_argument("--max-bytes", type=_positive_int, default=DEFAULT_MAX_BYTES, metavar="BYTES",
+                     help="corpus size: bytes of Python standard-library source to read, the last "
+                          "5%% held out for validation (default: %(default)s)")
+    job.add_argument("--out", metavar="DIR", default=None,
+                     help="directory to write summary.json to (losses, memory and communication "
+                          "tables); created if missing")
+
+
+def to_argv(args: argparse.Namespace) -> list[str]:
+    """The worker's command line for ``args`` (``--nproc`` left out: torchrun's option
+    parser would take it for an abbreviation of its own ``--nproc-per-node``)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(parser)
+    argv: list[str] = []
+    for action in parser._actions:
+        if not action.option_strings or action.dest == "nproc":
+            continue
+        value = getattr(args, action.dest, None)
+        if value is None:
+            continue
+        argv += [action.option_strings[0], repr(value) if isinstance(value, float) else str(value)]
+    return argv
+
+
+def check_args(args: argparse.Namespace, corpus: Optional[ByteCorpus] = None) -> None:
+    """Check that the corpus is long enough for the model's context; without ``corpus``,
+    from ``--max-bytes`` alone (the corpus holds at most that many bytes, 5% of them held out)."""
+    block = GPT_PRESETS[args.model].block_size
+    if corpus is not None:
+        train_len, val_len = len(corpus.train), len(corpus.val)
+    else:
+        val_len = math.ceil(args.max_bytes * 0.05)
+        train_len = args.max_bytes - val_len
+    need = 20 * (block + 1)
+    if train_len <= block or (args.eval_every and val_len <= block):
+        raise UsageError(f"--max-bytes {args.max_bytes} is too small for the {args.model} model's "
+                         f"context of {block} bytes (each split must be longer than that); "
+                         f"use --max-bytes {need} or more")
+
+
+# -- config ---------------------------------------------------------------------------------
+
+def _concrete(value: Any) -> bool:
+    return value is not None and value != "auto"
+
+
+def build_config(args: argparse.Namespace) -> Config:
+    """The engine config: preset and/or file, with the command line's overrides.
+
+    Raises :class:`ConfigError` with the offending key for anything invalid.
+    """
+    preset = args.preset or (None if args.config else DEFAULT_PRESET)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # unknown keys are reported once, by the final load
+        base = load_config(args.config, preset=preset)
+    data = base.model_dump(exclude_unset=True)
+    has_tbs = _concrete(base.train_batch_size)
+    micro, gas = args.micro_batch, args.grad_accum
+    if micro is None and not has_tbs and not _concrete(base.train_micro_batch_size_per_gpu):
+        micro = DEFAULT_MICRO_BATCH
+    if gas is None and not has_tbs and not _concrete(base.gradient_accumulation_steps):
+        gas = DEFAULT_GRAD_ACCUM
+    if micro is not None:
+        data["train_micro_batch_size_per_gpu"] = micro
+    if gas is not None:
+        data["gradient_accumulation_steps"] = gas
+    lr = args.lr
+    if lr is None and not (args.config and _file_sets_lr(args.config)):
+        lr = DEFAULT_LR
+    if lr is not None and base.optimizer is not None:
+        data["optimizer"] = dict(data.get("optimizer") or {})
+        data["optimizer"]["params"] = dict(data["optimizer"].get("params") or {}, lr=lr)
+    return load_config(data)
+
+
+def _file_sets_lr(path: str) -> bool:
+    """Whether the JSON config at ``path`` (already read once and valid) sets optimizer.params.lr."""
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    optimizer = data.get("optimizer")
+    params = optimizer.get("params") if isinstance(optimizer, dict) else None
+    return isinstance(params, dict) and "lr" in params
+
+
+def check_config(cfg: Config, world_size: int) -> tuple[int, int, int]:
+    """Check what the engine would reject at start-up (the batch arithmetic for ``world_size``
+    ranks, the ZeRO stage, the optimizer and scheduler blocks), raising :class:`ConfigError`.
+    Returns ``(train_batch_size, micro_batch, accumulation_steps)``."""
+    sizes = resolve_batch_sizes(cfg, world_size)
+    try:
+        policy_for(cfg.zero_optimization.stage)
+    except NotImplementedError as e:
+        raise ConfigError(f"zero_optimization.stage: {e}") from None
+    if cfg.optimizer is None:
+        raise ConfigError("optimizer: missing; zerodp train builds the optimizer from the config, so "
+                          "add an 'optimizer' block (e.g. {\"type\": \"AdamW\", \"params\": "
+                          "{\"lr\": 1e-3}}) or use --preset")
+    try:  # build both on a stand-in parameter, so that mistakes surface before any process starts
+        cls, kwargs = optimizer_factory_from_config(cfg.optimizer.type, dict(cfg.optimizer.params))
+        check_elementwise(cls)
+        optimizer = cls([torch.nn.Parameter(torch.zeros(1))], **kwargs)
+    except ValueError as e:
+        raise ConfigError(f"optimizer: {e}") from None
+    except Exception as e:  # noqa: BLE001 - whatever the optimizer class makes of bad params
+        raise ConfigError(f"optimizer.params: {cfg.optimizer.type} rejects "
+                          f"{json.dumps(cfg.optimizer.params)}: {type(e).__name__}: {e}") from None
+    if cfg.scheduler is not None:
+        try:
+            build_scheduler(optimizer, cfg.scheduler.type, dict(cfg.scheduler.params))
+        except ValueError as e:
+            raise ConfigError(f"scheduler: {e}") from None
+        except Exception as e:  # noqa: BLE001
+            raise ConfigError(f"scheduler.params: {cfg.scheduler.type} rejects "
+                              f"{json.dumps(cfg.scheduler.params)}: {type(e).__name__}: {e}") from None
+    return sizes
+
+
+# -- formatting -----------------------------------------------------------------------------
+
+MEMORY_COLUMNS = ("parameters", "gradients", "master_weights", "optimizer_states", "model_states")
+COMM_COLUMNS = ("all_reduce", "reduce_scatter", "all_gather", "control", "total")
+
+
+def format_table(title: str, columns: tuple[str, ...], rows: list[dict], scale: float = MIB,
+                 digits: int = 3) -> str:
+    """A plain-text table: one line per rank, one column per key (values divided by ``scale``)."""
+    header = ["rank", *columns]
+    body = [[str(rank), *(f"{row.get(c, 0) / scale:.{digits}f}" for c in columns)]
+            for rank, row in enumerate(rows)]
+    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
+    lines = [title, "  ".join(h.rjust(w) for h, w in zip(header, widths))]
+    lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in body]
+    return "\n".join(lines)
+
+
+def _fmt_params(n: int) -> str:
+    return f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.1f}K"
+
+
+# -- training -------------------------------------------------------------------------------
+
+def _mean_over_ranks(value: float, device: torch.device, world: int) -> float:
+    if world == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.item() / world
+
+
+def _gather(obj: Any, world: int) -> list:
+    if world == 1:
+        return [obj]
+    out: list = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    """Train on this rank (inside torchrun, or alone); return the exit code."""
+    distributed = accelerator.init_distributed()
+    rank = dist.get_rank() if distributed else 0
+    world = dist.get_world_size() if distributed else 1
+    log = logging.getLogger("zerodp")
+    level = log.level
+    log.setLevel(logging.WARNING)  # the progress bar shows what the engine's periodic line would
+    try:
+        return _train(args, rank, world)
+    finally:
+        log.setLevel(level)
+        if distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _train(args: argparse.Namespace, rank: int, world: int) -> int:
+    main_rank = rank == 0
+    say = print if main_rank else (lambda *a, **k: None)
+    if not main_rank:
+        warnings.simplefilter("ignore")
+    cfg = build_config(args)
+    check_config(cfg, world)
+
+    torch.manual_seed(args.seed)
+    model = build_gpt(args.model)
+    n_params = model.num_parameters()
+    block = model.config.block_size
+    corpus = ByteCorpus(max_bytes=args.max_bytes)
+    check_args(args, corpus)
+    engine, *_ = initialize(model=model, config=cfg)
+    device = engine.device
+    micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    seqs_per_step = micro * gas * world
+    tokens_per_step = seqs_per_step * block
+    backend = dist.get_backend() if dist.is_initialized() else "none (single process)"
+
+    say(f"zerodp train: GPT {args.model} ({_fmt_params(n_params)} parameters, "
+        f"block {block}), ZeRO stage {engine.zero_stage}, world size {world}")
+    ranks = f"{world} rank{'s' if world > 1 else ''}"
+    say(f"  batch: {micro} micro x {gas} accum x {ranks} = {seqs_per_step} sequences "
+        f"= {tokens_per_step} tokens per step; {args.steps} steps")
+    say(f"  optimizer: {cfg.optimizer.type} lr {engine.get_lr()[0]:g}"
+        f"{', scheduler ' + cfg.scheduler.type if cfg.scheduler else ''}"
+        f"{f', clip {cfg.gradient_clipping:g}' if cfg.gradient_clipping else ''}")
+    say(f"  device: {device}, backend {backend}, {torch.get_num_threads()} threads per rank; "
+        f"corpus {len(corpus) / MIB:.1f} MiB of Python source ({corpus.num_files} files)")
+    sys.stdout.flush()
+
+    gen = torch.Generator().manual_seed(1_000_003 * args.seed + rank)
+    val_gen = torch.Generator().manual_seed(1_000_003 * args.seed + 500_000 + rank)
+    val_batches = ([corpus.batch("val", micro, block, val_gen) for _ in range(EVAL_BATCHES_PER_RANK)]
+                   if args.eval_every > 0 else [])
+
+    def evaluate() -> float:
+        engine.eval()
+        with torch.no_grad():
+            total = sum(engine(x.to(device), y.to(device))[1].item() for x, y in val_batches)
+        engine.train()
+        return _mean_over_ranks(total / len(val_batches), device, world)
+
+    bar = None
+    if main_rank:
+        from tqdm import tqdm
+        bar = tqdm(total=args.steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
+    losses: list[float] = []
+    val_losses: list[tuple[int, float]] = []
+    smoothed = step_time = None
+    start = time.perf_counter()
+    engine.train()
+    try:
+        for step in range(1, args.steps + 1):
+            t0 = time.perf_counter()
+            step_loss = 0.0
+            for _ in range(gas):
+                x, y = corpus.batch("train", micro, block, gen)
+                _, loss = engine(x.to(device), y.to(device))
+                engine.backward(loss)
+                engine.step()
+                step_loss += loss.item()
+            step_loss = _mean_over_ranks(step_loss / gas, device, world)
+            accelerator.synchronize(device)
+            dt = time.perf_counter() - t0
+            losses.append(step_loss)
+            smoothed = step_loss if smoothed is None else 0.9 * smoothed + 0.1 * step_loss
+            step_time = dt if step_time is None or step == 2 else 0.9 * step_time + 0.1 * dt
+            if args.eval_every and step % args.eval_every == 0 and step != args.steps:
+                val_losses.append((step, evaluate()))
+                if bar is not None:
+                    bar.write(f"step {step}: val loss {val_losses[-1][1]:.4f}")
+            if bar is not None:
+                norm = engine.get_global_grad_norm()
+                bar.set_postfix_str(f"loss={smoothed:.3f} lr={engine.get_lr()[0]:.2e} "
+                                    f"gnorm={norm if norm is not None else float('nan'):.3f} "
+                                    f"tok/s={tokens_per_step / step_time:,.0f}", refresh=False)
+                bar.update(1)
+        if args.eval_every:
+            val_losses.append((args.steps, evaluate()))
+    finally:
+        if bar is not None:
+            bar.close()
+    elapsed = time.perf_counter() - start
+
+    memory = _gather(engine.memory_breakdown(), world)
+    comm = _gather(engine.comm_stats(), world)
+    if not main_rank:
+        return 0
+
+    window = max(1, min(LOSS_WINDOW, len(losses) // 2))
+    first, last = sum(losses[:window]) / window, sum(losses[-window:]) / window
+    final_val = val_losses[-1][1] if val_losses else None
+    print()
+    print(format_table("Model-state memory per rank (MiB)", MEMORY_COLUMNS, memory))
+    print()
+    print(format_table(f"Communication per optimizer step, bytes sent per rank (MiB; "
+                       f"ring-algorithm count, {gas} micro-batch{'es' if gas > 1 else ''})",
+                       COMM_COLUMNS, comm))
+    print()
+    print(f"train loss: {first:.4f} (mean of first {window} steps) -> {last:.4f} "
+          f"(mean of last {window} steps)")
+    print(f"val loss:   {final_val:.4f}" if final_val is not None else
+          "val loss:   not evaluated (--eval-every 0)")
+    print(f"time: {elapsed:.1f} s for {args.steps} steps, "
+          f"{tokens_per_step * args.steps / elapsed:,.0f} tokens/s overall")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        summary = {
+            "model": args.model, "parameters": n_params, "world_size": world,
+            "zero_stage": engine.zero_stage, "device": str(device), "backend": backend,
+            "micro_batch": micro, "grad_accum": gas, "train_batch_size": engine.train_batch_size(),
+            "block_size": block, "steps": args.steps, "seed": args.seed,
+            "config": cfg.model_dump(mode="json"),
+            "losses": losses, "first_loss": first, "last_loss": last,
+            "val_losses": [{"step": s, "loss": v} for s, v in val_losses], "final_val_loss": final_val,
+            "elapsed_s": elapsed, "tokens_per_s": tokens_per_step * args.steps / elapsed,
+            "memory_bytes": memory, "comm_bytes_per_step": comm,
+        }
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+        print(f"summary: {out / 'summary.json'}")
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Entry point of ``python -m zerodp.train`` (one rank; see ``zerodp train``)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m zerodp.train",
+        description="One rank of `zerodp train` (run it under torchrun, or use `zerodp train`).")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except (ConfigError, UsageError) as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"zerodp train: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        if os.environ.get("RANK", "0") == "0" and os.environ.get(WORKER_ENV) != "1":
+            print("zerodp train: interrupted", file=sys.stderr)  # (the launcher says it otherwise)
+        return 130
+
+
+if __name__ == "__main__":
+    code = main()
+    if os.environ.get(WORKER_ENV) == "1":
+        # A launched rank: its work is done and reported, the process group destroyed;
+        # skip the interpreter's slow teardown of torch's modules.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
