@@ -35,6 +35,20 @@ if not _log.handlers:
     _log.propagate = False
 
 
+class _EpochLoader(torch.utils.data.DataLoader):
+    """A DataLoader over a DistributedSampler that reshuffles every epoch (each new
+    iteration calls ``sampler.set_epoch`` with the next epoch number)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.epoch = 0
+
+    def __iter__(self):
+        self.sampler.set_epoch(self.epoch)
+        self.epoch += 1
+        return super().__iter__()
+
+
 def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimizer: Any = None,
                model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
                config: Any = None, config_params: Any = None, dist_init_required: Optional[bool] = None,
@@ -70,10 +84,9 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
                         lr_scheduler=lr_scheduler, process_group=process_group)
     loader = None
     if training_data is not None:
-        from torch.utils.data import DataLoader
         from torch.utils.data.distributed import DistributedSampler
         sampler = DistributedSampler(training_data, num_replicas=engine.dp_world_size,
                                      rank=engine.dp_rank, shuffle=True)
-        loader = DataLoader(training_data, batch_size=engine.train_micro_batch_size_per_gpu(),
-                            sampler=sampler, collate_fn=collate_fn)
+        loader = _EpochLoader(training_data, batch_size=engine.train_micro_batch_size_per_gpu(),
+                              sampler=sampler, collate_fn=collate_fn)
     return engine, engine.optimizer, loader, engine.lr_scheduler

@@ -46,6 +46,15 @@ from .stages import StagePolicy, policy_for
 logger = logging.getLogger("zerodp")
 
 
+def _as_tensor_list(params) -> list:
+    """A param group's ``params`` as a list of tensors, as torch optimizers accept them: a
+    single tensor, an iterable of tensors, or of ``(name, tensor)`` pairs."""
+    if isinstance(params, torch.Tensor):
+        return [params]
+    return [p[1] if isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) else p
+            for p in params]
+
+
 class ZeroEngine(nn.Module):
     """Wraps a model for ZeRO data-parallel training (see ``zerodp.initialize``)."""
 
@@ -102,18 +111,20 @@ class ZeroEngine(nn.Module):
                               "model_parameters is ignored", UserWarning, stacklevel=3)
             groups = [dict(g) for g in optimizer.param_groups]
         elif model_parameters is not None:
-            mp = list(model_parameters)
+            mp = _as_tensor_list(model_parameters) if isinstance(model_parameters, torch.Tensor) \
+                else list(model_parameters)
             groups = ([dict(g) for g in mp] if mp and isinstance(mp[0], dict) else [{"params": mp}])
         else:
             groups = [{"params": [p for p in self.module.parameters() if p.requires_grad]}]
         model_ids = {id(p) for p in self.module.parameters()}
         seen: dict[int, int] = {}
         for gi, g in enumerate(groups):
-            g["params"] = list(g["params"])
+            g["params"] = _as_tensor_list(g["params"])
             for p in g["params"]:
-                if id(p) not in model_ids:
-                    raise ValueError(f"param group {gi} holds a tensor of shape {tuple(p.shape)} "
-                                     "that is not a parameter of the model")
+                if not isinstance(p, torch.Tensor) or id(p) not in model_ids:
+                    what = f"a tensor of shape {tuple(p.shape)}" if isinstance(p, torch.Tensor) \
+                        else f"a {type(p).__name__}"
+                    raise ValueError(f"param group {gi} holds {what} that is not a parameter of the model")
                 if id(p) in seen:
                     raise ValueError(f"a parameter of shape {tuple(p.shape)} is in param groups "
                                      f"{seen[id(p)]} and {gi}; each parameter may be in one group")
