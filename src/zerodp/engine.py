@@ -393,7 +393,7 @@ class ZeroEngine(nn.Module):
         local = torch.zeros((), dtype=torch.float64, device=self.device)
         if self.policy.shard_optimizer or self.dp_rank == 0:
             for g in self.trainable:
-                local += g.grad_shard.double().pow(2).sum()
+                local += torch.linalg.vector_norm(g.grad_shard, dtype=torch.float32).double() ** 2
         flags = [float(u) for used in self._used for u in used]
         vec = torch.cat([local.reshape(1), torch.tensor(flags, dtype=torch.float64, device=self.device)])
         self.comm.all_reduce_sum(vec, kind="control")
