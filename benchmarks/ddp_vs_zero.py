@@ -8,7 +8,7 @@ ranks, median over repetitions), model-state bytes per rank, bytes communicated 
 and the loss after the run (every system must reach the same loss).
 
     python benchmarks/ddp_vs_zero.py                     # world sizes 2 and 4, 3 repetitions
-    python benchmarks/ddp_vs_zero.py --worlds 2 --reps 5 --model small
+    python benchmarks/ddp_vs_zero.py --worlds 2 --reps 5 --model small --micro-batch 8
 
 Set ``MALLOC_MMAP_THRESHOLD_=65536`` (the driver does it for its workers) or glibc keeps
 freed memory and peak RSS hides the savings.
@@ -152,10 +152,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--reps", type=int, default=3, help="repetitions of every system (interleaved)")
-    ap.add_argument("--model", default="small", help="example GPT preset (tiny, small, medium)")
-    ap.add_argument("--steps", type=int, default=12, help="timed optimizer steps per run")
-    ap.add_argument("--warmup", type=int, default=3, help="untimed steps first")
-    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--model", default="medium", help="example GPT preset (tiny, small, medium)")
+    ap.add_argument("--steps", type=int, default=8, help="timed optimizer steps per run")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    ap.add_argument("--micro-batch", type=int, default=4, help="sequences per rank per step")
     ap.add_argument("--bucket-mb", type=float, default=25.0,
                     help="gradient bucket size in MiB for DDP and zerodp alike")
     ap.add_argument("--seed", type=int, default=0)

@@ -80,3 +80,15 @@ def test_padding_is_bounded(pool, stage):
     # moments exist for real elements only, each on exactly one rank
     assert sum(r["memory"]["optimizer_states"] for r in results) == 8 * psi
     assert mem["gradients"] == (4 * padded // world if stage == 2 else 4 * padded)
+
+
+def test_stage2_buckets_are_bounded(pool):
+    """Stage 2 holds full-size gradient buckets only transiently: at most the buckets in
+    flight plus the one filling, never the whole model's gradients."""
+    widths = [16] * 9                       # eight 16x16 layers, one flat group each
+    results = pool.run(measure, 2, 2, widths, bucket=256)
+    group_bytes = 4 * 256
+    for res in results:
+        assert len(res["layout"]) == 8
+        assert res["memory"]["gradient_buckets"] == 0
+        assert group_bytes <= res["memory"]["gradient_buckets_peak"] <= 3 * group_bytes

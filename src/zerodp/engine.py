@@ -45,6 +45,9 @@ from .stages import StagePolicy, policy_for
 
 logger = logging.getLogger("zerodp")
 
+#: Stage 2 keeps at most this many full-size gradient buckets in flight during backward.
+MAX_BUCKETS_IN_FLIGHT = 2
+
 
 def _as_tensor_list(params) -> list:
     """A param group's ``params`` as a list of tensors, as torch optimizers accept them: a
@@ -98,6 +101,7 @@ class ZeroEngine(nn.Module):
         self._reducing = False
         self._reduced_for_boundary = False
         self._used = [[False] * len(g.params) for g in self.trainable]
+        self.peak_bucket_bytes = 0
         self._timings: dict[str, list[float]] = defaultdict(list)
         self._reset_backward_state()
 
@@ -148,14 +152,16 @@ class ZeroEngine(nn.Module):
                           UserWarning, stacklevel=3)
         cap = int(self.zero_config.reduce_bucket_size)
         open_buckets: dict[tuple, list] = {}
+        open_sizes: dict[tuple, int] = {}
         closed: list[tuple[int, tuple, list]] = []
         order = [(n, p) for n, p in reversed(named) if id(p) in group_of or not p.requires_grad]
         for pos, (name, p) in enumerate(order):
             key = (group_of.get(id(p), -1), p.dtype, p.requires_grad and id(p) in group_of)
             bucket = open_buckets.setdefault(key, [])
-            if bucket and sum(q.numel() for _, q in bucket) + p.numel() > cap:
+            if bucket and open_sizes[key] + p.numel() > cap:
                 closed.append((pos - 1, key, bucket))
                 bucket = open_buckets[key] = []
+            open_sizes[key] = (open_sizes[key] if bucket else 0) + p.numel()
             bucket.append((name, p))
         last_pos = {n: pos for pos, (n, _) in enumerate(order)}
         for key, bucket in open_buckets.items():
@@ -269,6 +275,8 @@ class ZeroEngine(nn.Module):
             return g.grad_full
         if t not in self._buckets:
             self._buckets[t] = torch.zeros(g.padded_numel, dtype=g.dtype, device=g.device)
+            live = sum(b.numel() * b.element_size() for b in self._buckets.values())
+            self.peak_bucket_bytes = max(self.peak_bucket_bytes, live)
         return self._buckets[t]
 
     def _on_grad_ready(self, t: int, i: int, param: nn.Parameter) -> None:
@@ -307,6 +315,11 @@ class ZeroEngine(nn.Module):
                 g.grad_shard.add_(g.shard_of(buf))
                 self._buckets.pop(t, None)
         self._handles.append(collective(buf, async_op=self.overlap_comm, then=then))
+        if g.grad_full is None:
+            # bound the stage-2 buckets alive at once: wait for the oldest beyond two in flight
+            pending = [h for h in self._handles if not h.done]
+            if len(pending) > MAX_BUCKETS_IN_FLIGHT:
+                pending[0].wait()
 
     def _finish_reduction(self) -> None:
         """Launch the groups autograd never completed (unused parameters), then wait for all."""

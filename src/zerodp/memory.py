@@ -32,7 +32,8 @@ def measure_model_states(engine: "ZeroEngine") -> dict[str, int]:
     * ``optimizer_states``: optimizer state tensors with one value per parameter element
       (Adam's ``exp_avg`` and ``exp_avg_sq``);
     * ``optimizer_scalars``: other optimizer state (step counters);
-    * ``gradient_buckets``: temporary stage-2 buckets alive right now (zero between steps).
+    * ``gradient_buckets``: temporary stage-2 buckets alive right now (zero between steps);
+    * ``gradient_buckets_peak``: the most bytes of such buckets alive at once so far.
 
     ``model_states`` is the sum of the first four.
     """
@@ -55,7 +56,8 @@ def measure_model_states(engine: "ZeroEngine") -> dict[str, int]:
                 key = "optimizer_states" if value.shape == p.shape and value.numel() > 0 \
                     and value.dim() > 0 else "optimizer_scalars"
                 out[key] += _nbytes(value)
-    out["gradient_buckets"] = sum(_nbytes(b) for b in getattr(engine, "_buckets", {}).values())
+    out["gradient_buckets"] = sum(_nbytes(b) for b in engine._buckets.values())
+    out["gradient_buckets_peak"] = engine.peak_bucket_bytes
     out["model_states"] = (out["parameters"] + out["gradients"] + out["master_weights"]
                            + out["optimizer_states"])
     return out
