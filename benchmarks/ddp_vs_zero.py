@@ -35,6 +35,7 @@ def _worker(args: argparse.Namespace) -> None:
 
     import zerodp
     from zerodp import accelerator
+    from zerodp.comm import all_gather_numbers
     from zerodp.examples.gpt import ByteCorpus, build_gpt
 
     accelerator.init_distributed()
@@ -107,8 +108,7 @@ def _worker(args: argparse.Namespace) -> None:
     row = {"rank": rank, "step_s": statistics.median(times), "rss_mib": rss_kib / 1024,
            "model_state_mib": model_state_bytes() / 2**20, "comm_mib": comm_bytes / 2**20,
            "final_loss": final.item() / world}
-    rows = [None] * world
-    dist.all_gather_object(rows, row)
+    rows = all_gather_numbers(row, device=device)
     if rank == 0:
         print("RESULT " + json.dumps(rows), flush=True)
     dist.destroy_process_group()

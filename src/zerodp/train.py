@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from . import accelerator, initialize
+from .comm import all_gather_numbers
 from .config import PRESETS, Config, ConfigError, load_config, resolve_batch_sizes
 from .examples.gpt import GPT_PRESETS, ByteCorpus, build_gpt
 from .optim import build_scheduler, check_elementwise, optimizer_factory_from_config
@@ -280,14 +281,6 @@ def _mean_over_ranks(value: float, device: torch.device, world: int) -> float:
     return t.item() / world
 
 
-def _gather(obj: Any, world: int) -> list:
-    if world == 1:
-        return [obj]
-    out: list = [None] * world
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def run(args: argparse.Namespace) -> int:
     """Train on this rank (inside torchrun, or alone); return the exit code."""
     distributed = accelerator.init_distributed()
@@ -391,8 +384,10 @@ def _train(args: argparse.Namespace, rank: int, world: int) -> int:
             bar.close()
     elapsed = time.perf_counter() - start
 
-    memory = _gather(engine.memory_breakdown(), world)
-    comm = _gather(engine.comm_stats(), world)
+    memory = [{k: int(v) for k, v in row.items()}
+              for row in all_gather_numbers(engine.memory_breakdown(), device=engine.device)]
+    comm = [{k: int(v) for k, v in row.items()}
+            for row in all_gather_numbers(engine.comm_stats(), device=engine.device)]
     if not main_rank:
         return 0
 

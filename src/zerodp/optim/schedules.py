@@ -170,6 +170,15 @@ class WarmupLR(_DeepSpeedSchedule):
         return [lo + delta * gamma for lo, delta in zip(self.min_lrs, self.delta_lrs)]
 
 
+def _check_schedule_length(total_num_steps, warmup_num_steps) -> None:
+    _check_positive_int(total_num_steps, "total_num_steps")
+    _check_positive_int(warmup_num_steps, "warmup_num_steps")
+    if total_num_steps < warmup_num_steps:
+        raise ValueError(
+            f"total_num_steps ({total_num_steps}) must be >= warmup_num_steps ({warmup_num_steps})"
+        )
+
+
 class WarmupDecayLR(WarmupLR):
     """:class:`WarmupLR` warmup followed by a linear decay to 0 at ``total_num_steps``.
 
@@ -197,12 +206,7 @@ class WarmupDecayLR(WarmupLR):
         warmup_type: str = WARMUP_LOG_RATE,
         last_batch_iteration: int = -1,
     ) -> None:
-        _check_positive_int(total_num_steps, "total_num_steps")
-        _check_positive_int(warmup_num_steps, "warmup_num_steps")
-        if total_num_steps < warmup_num_steps:
-            raise ValueError(
-                f"total_num_steps ({total_num_steps}) must be >= warmup_num_steps ({warmup_num_steps})"
-            )
+        _check_schedule_length(total_num_steps, warmup_num_steps)
         self.total_num_steps = int(total_num_steps)
         super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_batch_iteration)
 
@@ -247,12 +251,7 @@ class WarmupCosineLR(_DeepSpeedSchedule):
         warmup_type: str = WARMUP_LOG_RATE,
         last_batch_iteration: int = -1,
     ) -> None:
-        _check_positive_int(total_num_steps, "total_num_steps")
-        _check_positive_int(warmup_num_steps, "warmup_num_steps")
-        if total_num_steps < warmup_num_steps:
-            raise ValueError(
-                f"total_num_steps ({total_num_steps}) must be >= warmup_num_steps ({warmup_num_steps})"
-            )
+        _check_schedule_length(total_num_steps, warmup_num_steps)
         for name, value in (("warmup_min_ratio", warmup_min_ratio), ("cos_min_ratio", cos_min_ratio)):
             if not _is_number(value):
                 raise ValueError(f"{name} must be a number, got {value!r}")
