@@ -23,11 +23,11 @@ A gradient's journey (stage policy in ``stages.py``, collectives in ``comm.py``)
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import math
 import time
 import warnings
+import weakref
 from collections import defaultdict
 from typing import Any, Callable, Iterable, Optional
 
@@ -47,6 +47,18 @@ logger = logging.getLogger("zerodp")
 
 #: Stage 2 keeps at most this many full-size gradient buckets in flight during backward.
 MAX_BUCKETS_IN_FLIGHT = 2
+
+
+def _grad_hook(engine: "ZeroEngine", t: int, i: int) -> Callable[[nn.Parameter], None]:
+    """The post-accumulate-grad hook of parameter ``i`` of trainable group ``t``. It holds
+    the engine weakly, so a model outliving its engine does not keep the engine alive."""
+    ref = weakref.ref(engine)
+
+    def hook(param: nn.Parameter) -> None:
+        live = ref()
+        if live is not None:
+            live._on_grad_ready(t, i, param)
+    return hook
 
 
 def _as_tensor_list(params) -> list:
@@ -92,7 +104,7 @@ class ZeroEngine(nn.Module):
         self.optimizer = self._build_optimizer(groups, pieces_by_group, optimizer)
         self.lr_scheduler = self._build_lr_scheduler(lr_scheduler)
 
-        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, t, i))
+        self._hooks = [p.register_post_accumulate_grad_hook(_grad_hook(self, t, i))
                        for t, g in enumerate(self.trainable) for i, p in enumerate(g.params)]
         self.global_steps = 0
         self.micro_steps = 0
