@@ -383,9 +383,9 @@ def _error_cases():
         zerodp.initialize(model=model, config={"optimizer": {"type": "Lamb", "params": {"lr": 0.1}}},
                           process_group=group)
 
-    def stage3(group):
+    def bad_stage(group):
         model = build_model("net")
-        zerodp.initialize(model=model, config={**adamw_cfg, "zero_optimization": {"stage": 3}},
+        zerodp.initialize(model=model, config={**adamw_cfg, "zero_optimization": {"stage": 4}},
                           process_group=group)
 
     def batch_not_divisible(group):
@@ -419,7 +419,7 @@ def _error_cases():
 
     return [(f.__name__, f) for f in (
         both_optimizers, both_optimizers_callable, optimizer_with_state, lamb_instance, lamb_callable,
-        lamb_config, stage3, batch_not_divisible, batch_inconsistent, foreign_tensor, duplicate_param,
+        lamb_config, bad_stage, batch_not_divisible, batch_inconsistent, foreign_tensor, duplicate_param,
         scheduler_other_optimizer)]
 
 

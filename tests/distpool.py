@@ -17,6 +17,7 @@ import os
 import queue
 import socket
 import sys
+import time
 import traceback
 
 import torch.multiprocessing as mp
@@ -82,13 +83,19 @@ class WorkerPool:
             self._tasks[r].put((tid, fn.__module__, fn.__name__, world_size, args, kwargs))
         out: dict[int, object] = {}
         errors = []
+        deadline = time.monotonic() + timeout
         while len(out) + len(errors) < world_size:
             try:
-                got_id, rank, ok, value = self._results.get(timeout=timeout)
+                got_id, rank, ok, value = self._results.get(timeout=1.0)
             except queue.Empty:
-                self.broken = True
-                raise TaskFailed(f"{fn.__name__} on {world_size} ranks did not finish in {timeout}s "
-                                 f"(finished ranks: {sorted(out)}); a rank may be stuck in a collective")
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+                if dead or time.monotonic() > deadline:
+                    self.broken = True
+                    why = (f"worker rank(s) {dead} died" if dead
+                           else f"did not finish in {timeout}s; a rank may be stuck in a collective")
+                    raise TaskFailed(f"{fn.__name__} on {world_size} ranks: {why} (finished ranks: "
+                                     f"{sorted(out)}){''.join(chr(10) + e for e in errors)}")
+                continue
             if got_id != tid:
                 continue
             if ok:
@@ -106,6 +113,6 @@ class WorkerPool:
             except Exception:
                 pass
         for p in self._procs:
-            p.join(timeout=10)
+            p.join(timeout=1 if self.broken else 10)
             if p.is_alive():
                 p.kill()

@@ -58,8 +58,10 @@ def batch(step: int, rank: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]
     return x, y
 
 
-def use_branch(step: int, rank: int, micro: int) -> bool:
-    return rank == 0 and step % 3 == 1
+def use_branch(step: int, rank: int, micro: int, same_on_all_ranks: bool = False) -> bool:
+    """Rank 0 only, in some steps; or every rank in those steps (stage 3 needs every rank to
+    run the same modules)."""
+    return (same_on_all_ranks or rank == 0) and step % 3 == 1
 
 
 ADAMW = {"lr": 0.02, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.1}
@@ -73,10 +75,12 @@ def make_config(stage: int, world: int, gas: int = 1, clip: float = 0.0, bucket:
             "gradient_clipping": clip, "steps_per_print": 10_000,
             "optimizer": {"type": optimizer, "params": dict(OPTIMIZERS[optimizer][1])},
             "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "reduce_scatter": reduce_scatter,
+                                  "stage3_param_persistence_threshold": 1,
                                   "overlap_comm": overlap}}
 
 
-def reference(world: int, steps: int, gas: int = 1, clip: float = 0.0, optimizer: str = "AdamW"):
+def reference(world: int, steps: int, gas: int = 1, clip: float = 0.0, optimizer: str = "AdamW",
+              branch_on_all_ranks: bool = False):
     """One process, the torch optimizer, the whole global batch of every step.
 
     Returns the parameters and the global gradient norm of every step (before clipping).
@@ -90,7 +94,7 @@ def reference(world: int, steps: int, gas: int = 1, clip: float = 0.0, optimizer
     norms = []
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
-        losses = [model(*batch(step, r, m), use_branch(step, r, m))
+        losses = [model(*batch(step, r, m), use_branch(step, r, m, branch_on_all_ranks))
                   for r in range(world) for m in range(gas)]
         (sum(losses) / len(losses)).backward()
         norms.append(torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf")).item())
@@ -111,11 +115,18 @@ def train_engine(group, stage: int, steps: int, gas: int = 1, clip: float = 0.0,
     norms = []
     for step in range(steps):
         for m in range(gas):
-            loss = engine(*batch(step, rank, m), use_branch(step, rank, m))
+            loss = engine(*batch(step, rank, m), use_branch(step, rank, m, stage == 3))
             engine.backward(loss)
             engine.step()
         norms.append(engine.get_global_grad_norm())
     engine.destroy()
-    return {"params": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
+    return {"params": gathered_params(engine),
             "norms": norms, "global_steps": engine.global_steps, "comm": engine.comm_stats(),
             "groups": len(engine.flat_groups)}
+
+
+def gathered_params(engine) -> dict[str, torch.Tensor]:
+    """Full copies of every parameter (gathered first at stage 3)."""
+    params = list(engine.module.parameters())
+    with zerodp.GatheredParameters(params):
+        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}

@@ -21,7 +21,8 @@ def measure(group, stage: int, widths: list[int], gas: int = 1, steps: int = 2,
     model = build_known_model(widths)
     cfg = {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": gas,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "steps_per_print": 10**9,
-           "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "overlap_comm": True}}
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "overlap_comm": True,
+                                 "stage3_param_persistence_threshold": 1}}
     engine, _, _, _ = zerodp.initialize(model=model, config=cfg, process_group=group)
     gen = torch.Generator().manual_seed(rank)
     for _ in range(steps * gas):

@@ -38,6 +38,7 @@ from torch import nn
 from . import accelerator
 from .comm import Comm, Handle
 from .config import Config, ConfigError, resolve_batch_sizes
+from .fetch import Unit, install_unit_hooks, plan_units, register_params
 from .flat import FlatGroup
 from .memory import measure_model_states
 from .optim import build_scheduler, check_elementwise, optimizer_factory_from_config
@@ -92,9 +93,26 @@ class ZeroEngine(nn.Module):
         self.module = model.to(self.device)
 
         groups = self._user_param_groups(model_parameters, optimizer)
+        unit_plan, self._unit_of = ([("", self.module)], {}) if not self.policy.shard_parameters \
+            else plan_units(self.module, self.zero_config.stage3_param_persistence_threshold)
         self.flat_groups = self._build_flat_groups(groups)
         self.trainable = [g for g in self.flat_groups if g.trainable]
         self._broadcast_initial_state()
+        self.units: list[Unit] = []
+        self._unit_hooks = []
+        if self.policy.shard_parameters:
+            for g in self.flat_groups:
+                g.shard_parameters()
+            self.units = [Unit(u, name, mod, [g for g in self.flat_groups if g.unit == u], self.comm)
+                          for u, (name, mod) in enumerate(unit_plan)]
+            for unit in self.units[1:]:
+                self._unit_hooks += install_unit_hooks(unit)
+        register_params(self.flat_groups, self.comm, sharded=self.policy.shard_parameters)
+        unused = sorted({"stage3_prefetch_bucket_size", "stage3_max_live_parameters",
+                         "stage3_max_reuse_distance"} & self.zero_config.model_fields_set)
+        if unused and self.policy.shard_parameters:
+            warnings.warn(f"zerodp stage 3 does not prefetch or bound live parameters yet; "
+                          f"zero_optimization.{', '.join(unused)} has no effect", UserWarning, stacklevel=3)
         for g in self.trainable:
             g.allocate_gradients(keep_full=not self.policy.shard_gradients)
 
@@ -151,7 +169,8 @@ class ZeroEngine(nn.Module):
         """Cut parameters into flat groups of at most ``reduce_bucket_size`` elements.
 
         Parameters are taken in reverse registration order (roughly the order backward
-        produces their gradients), one open bucket per (param group, dtype, requires_grad);
+        produces their gradients), one open bucket per (param group, dtype, trained or not,
+        stage-3 unit);
         groups are numbered by the position of their last parameter, so that group order
         is the order in which they are expected to become ready.
         """
@@ -168,7 +187,8 @@ class ZeroEngine(nn.Module):
         closed: list[tuple[int, tuple, list]] = []
         order = [(n, p) for n, p in reversed(named) if id(p) in group_of or not p.requires_grad]
         for pos, (name, p) in enumerate(order):
-            key = (group_of.get(id(p), -1), p.dtype, p.requires_grad and id(p) in group_of)
+            key = (group_of.get(id(p), -1), p.dtype, p.requires_grad and id(p) in group_of,
+                   self._unit_of.get(id(p), 0))
             bucket = open_buckets.setdefault(key, [])
             if bucket and open_sizes[key] + p.numel() > cap:
                 closed.append((pos - 1, key, bucket))
@@ -182,7 +202,7 @@ class ZeroEngine(nn.Module):
         closed.sort(key=lambda c: c[0])
         partitions = self.dp_world_size if self.policy.shard_optimizer else 1
         rank = self.dp_rank if self.policy.shard_optimizer else 0
-        return [FlatGroup(i, bucket, param_group=max(key[0], 0), trainable=key[2],
+        return [FlatGroup(i, bucket, param_group=max(key[0], 0), trainable=key[2], unit=key[3],
                           partitions=partitions, rank=rank, device=self.device)
                 for i, (_, key, bucket) in enumerate(closed)]
 
@@ -255,7 +275,12 @@ class ZeroEngine(nn.Module):
 
     def forward(self, *args, **kwargs):
         with self._timed("forward"):
-            return self.module(*args, **kwargs)
+            if self.units:  # stage 3: the root unit stays gathered until backward ends
+                self.units[0].gather()
+            out = self.module(*args, **kwargs)
+            if self.units and not torch.is_grad_enabled():
+                self.units[0].release()
+            return out
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Backpropagate ``loss`` (scaled by 1/gradient_accumulation_steps) and reduce
@@ -268,6 +293,8 @@ class ZeroEngine(nn.Module):
             scaled.backward(retain_graph=retain_graph)
             if self._reducing:
                 self._finish_reduction()
+            for unit in self.units:
+                unit.release()
         if self._reducing and boundary:
             self._reduced_for_boundary = True
         self._reducing = False
@@ -310,6 +337,9 @@ class ZeroEngine(nn.Module):
 
     def _mark_ready(self, t: int) -> None:
         self._ready[t] = True
+        unit = self.trainable[t].unit
+        if unit > 0 and all(self._ready[k] for k, g in enumerate(self.trainable) if g.unit == unit):
+            self.units[unit].release()  # stage 3: every gradient of the unit is computed
         while self._next_launch < len(self.trainable) and self._ready[self._next_launch]:
             self._launch_reduction(self._next_launch)
             self._next_launch += 1
@@ -501,6 +531,6 @@ class ZeroEngine(nn.Module):
 
     def destroy(self) -> None:
         """Remove the gradient hooks (the model stays usable as a plain module)."""
-        for h in self._hooks:
+        for h in self._hooks + self._unit_hooks:
             h.remove()
-        self._hooks = []
+        self._hooks, self._unit_hooks = [], []

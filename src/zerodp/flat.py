@@ -62,7 +62,8 @@ class FlatGroup:
     """One contiguous, padded, shardable buffer of parameters (see module docstring)."""
 
     def __init__(self, index: int, named_params: list[tuple[str, nn.Parameter]], *,
-                 param_group: int, trainable: bool, partitions: int, rank: int, device: torch.device) -> None:
+                 param_group: int, trainable: bool, partitions: int,
+                 unit: int = 0, rank: int, device: torch.device) -> None:
         if not named_params:
             raise ValueError("a flat group needs at least one parameter")
         dtypes = {p.dtype for _, p in named_params}
@@ -73,6 +74,7 @@ class FlatGroup:
         self.params = [p for _, p in named_params]
         self.dtype = self.params[0].dtype
         self.trainable = trainable
+        self.unit = unit
         self.device = device
         self.partitions, self.rank = partitions, rank
 
@@ -101,6 +103,7 @@ class FlatGroup:
             if lo < hi:
                 self.pieces.append(Piece(i, lo - self.shard_lo, hi - self.shard_lo, lo - slot.offset))
 
+        self._own_shard: Optional[torch.Tensor] = None
         self.grad_full: Optional[torch.Tensor] = None
         self.grad_shard: Optional[torch.Tensor] = None
         self.piece_params: list[nn.Parameter] = []
@@ -118,8 +121,42 @@ class FlatGroup:
 
     @property
     def shard(self) -> torch.Tensor:
-        """This rank's shard of the parameters (a view into ``full``)."""
-        return self.shard_of(self.full)
+        """This rank's shard of the parameters: a view into ``full`` (stages 0-2), or its own
+        persistent buffer once ``shard_parameters()`` was called (stage 3)."""
+        return self._own_shard if self.shards_parameters else self.shard_of(self.full)
+
+    # -- stage 3: parameters persist as a shard, gathered around use ---------------------
+
+    def shard_parameters(self) -> None:
+        """Keep only this rank's shard in a buffer of its own, and release ``full``.
+
+        The full buffer keeps its identity (parameters stay views into it, and autograd may
+        hold views of it for backward); only its storage is freed and re-allocated, as
+        ``release()`` and ``gather()`` do.
+        """
+        self._own_shard = self.shard_of(self.full).clone()
+        self.release()
+
+    @property
+    def shards_parameters(self) -> bool:
+        """Whether parameters persist as this rank's shard only (stage 3)."""
+        return self._own_shard is not None
+
+    @property
+    def gathered(self) -> bool:
+        return self.full.untyped_storage().nbytes() > 0
+
+    def release(self) -> None:
+        """Free the full buffer's storage (stage 3, after use)."""
+        self.full.untyped_storage().resize_(0)
+
+    def gather(self, comm) -> None:
+        """Re-allocate the full buffer and all-gather every rank's shard into it."""
+        if self.gathered:
+            return
+        self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
+        self.shard_of(self.full).copy_(self._own_shard)
+        comm.all_gather(self.full)
 
     def bind_params_to_full(self) -> None:
         """Make every parameter's ``.data`` a view into ``full``."""

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from .engine import ZeroEngine
 
 CATEGORIES = ("parameters", "gradients", "master_weights", "optimizer_states",
-              "optimizer_scalars", "gradient_buckets")
+              "optimizer_scalars", "gathered_parameters", "gradient_buckets")
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -24,7 +24,10 @@ def _nbytes(t: torch.Tensor) -> int:
 def measure_model_states(engine: "ZeroEngine") -> dict[str, int]:
     """Bytes held on this rank, by category, from the engine's tensors.
 
-    * ``parameters``: the flat parameter buffers (full at stages 0-2);
+    * ``parameters``: the persistent flat parameter buffers (full at stages 0-2, this rank's
+      shards at stage 3);
+    * ``gathered_parameters``: stage 3's full parameter buffers allocated right now (between
+      a unit's gather and release; zero between steps);
     * ``gradients``: persistent gradient storage (the full buffer at stages 0-1, the shard
       at stage 2);
     * ``master_weights``: fp32 master copies kept apart from the parameters (none in fp32
@@ -40,8 +43,11 @@ def measure_model_states(engine: "ZeroEngine") -> dict[str, int]:
     out = dict.fromkeys(CATEGORIES, 0)
     param_ptrs = set()
     for g in engine.flat_groups:
-        out["parameters"] += _nbytes(g.full)
-        param_ptrs.add(g.full.untyped_storage().data_ptr())
+        persistent = g.shard if g.shards_parameters else g.full
+        out["parameters"] += _nbytes(persistent)
+        param_ptrs.add(persistent.untyped_storage().data_ptr())
+        if g.shards_parameters:
+            out["gathered_parameters"] += g.full.untyped_storage().nbytes()
     for g in engine.trainable:
         out["gradients"] += _nbytes(g.grad_full if g.grad_full is not None else g.grad_shard)
         masters = {pp.untyped_storage().data_ptr(): pp for pp in g.piece_params}

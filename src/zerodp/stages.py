@@ -17,6 +17,10 @@ stage  gradient storage      reduction                            after the opti
 1      full buffer           reduce-scatter, at the boundary      all-gather the parameters
 2      shard (+ buckets in   reduce-scatter of each bucket as it  all-gather the parameters
        flight in backward)   fills, in every micro-batch
+3      as stage 2            as stage 2                           nothing: parameters stay
+                                                                  shards, gathered per unit
+                                                                  around its forward and
+                                                                  backward (``fetch.py``)
 =====  ====================  ===================================  =========================
 
 At stages 0 and 1 gradients of the micro-batches accumulate locally in the full buffer and
@@ -55,15 +59,13 @@ POLICIES: dict[int, StagePolicy] = {
                    reduction="reduce_scatter", reduce_every_micro_batch=False),
     2: StagePolicy(2, shard_optimizer=True, shard_gradients=True, shard_parameters=False,
                    reduction="reduce_scatter", reduce_every_micro_batch=True),
+    3: StagePolicy(3, shard_optimizer=True, shard_gradients=True, shard_parameters=True,
+                   reduction="reduce_scatter", reduce_every_micro_batch=True),
 }
 
 
 def policy_for(stage: int) -> StagePolicy:
-    """The policy of ``stage``; a clear error for stages this version cannot run."""
-    if stage == 3:
-        raise NotImplementedError(
-            "ZeRO stage 3 (parameter sharding) is not available in this version of zerodp; "
-            "use stage 2 (zero_optimization.stage = 2) for now.")
+    """The policy of ``stage``."""
     if stage not in POLICIES:
         raise ValueError(f"zero_optimization.stage: got {stage}; allowed: 0, 1, 2, 3")
     return POLICIES[stage]

@@ -1,0 +1,173 @@
+"""Stage 3: parameters persist as shards and are gathered around the module units that use them.
+
+A *unit* is a module whose parameters form their own flat groups. Before the unit's forward
+its groups are all-gathered (``gather``); right after, they are released (their full
+storage is freed; parameters and any views autograd saved keep their identity). Hooks on the
+unit's outputs gather them again when backward reaches the unit; once every parameter of the
+unit has its gradient, the engine reduce-scatters the gradients and releases the unit.
+
+The *root* unit holds what no other unit claims, including every parameter that is
+registered in more than one module (tied weights: an embedding reused by the output layer);
+it stays gathered from the start of forward to the end of backward.
+
+Only module hooks and tensor hooks are used; nothing of torch or of the user's classes is
+patched.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
+
+import torch
+from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .flat import FlatGroup
+
+if TYPE_CHECKING:
+    from .comm import Comm
+
+
+class Unit:
+    """One module's flat groups, gathered and released together."""
+
+    def __init__(self, index: int, name: str, module: nn.Module, groups: list[FlatGroup],
+                 comm: "Comm") -> None:
+        self.index, self.name, self.module, self.groups, self.comm = index, name, module, groups, comm
+
+    @property
+    def is_root(self) -> bool:
+        return self.index == 0
+
+    def gather(self) -> None:
+        for g in self.groups:
+            g.gather(self.comm)
+
+    def release(self) -> None:
+        for g in self.groups:
+            g.release()
+
+
+#: Containers that are never called, so their forward hooks never run: never units.
+_NOT_CALLED = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+
+
+def plan_units(model: nn.Module, min_unit_params: int) -> tuple[list[tuple[str, nn.Module]], dict[int, int]]:
+    """Choose the units: returns ``[(name, module)]`` with the root first, and a map from
+    parameter id to unit index.
+
+    Walking children before parents, a module becomes a unit when the parameters of its
+    subtree not yet claimed by a unit below it number at least ``min_unit_params``
+    elements. Containers that are never called (``ModuleList``, ``ModuleDict``) are never
+    units. Parameters registered in more than one module stay with the root.
+    """
+    holders: dict[int, int] = {}
+    for _, mod in model.named_modules(remove_duplicate=False):
+        for p in mod.parameters(recurse=False):
+            holders[id(p)] = holders.get(id(p), 0) + 1
+    shared = {pid for pid, n in holders.items() if n > 1}
+    owner: dict[int, int] = {}
+    units: list[tuple[str, nn.Module]] = [("", model)]
+    for name, mod in reversed(list(model.named_modules())):
+        if mod is model or isinstance(mod, _NOT_CALLED):
+            continue
+        mine = [p for p in mod.parameters() if id(p) not in owner and id(p) not in shared]
+        if mine and sum(p.numel() for p in mine) >= min_unit_params:
+            units.append((name, mod))
+            for p in mine:
+                owner[id(p)] = len(units) - 1
+    for p in model.parameters():
+        owner.setdefault(id(p), 0)
+    # number units in registration (pre-)order, root first
+    position = {id(m): i for i, (_, m) in enumerate(model.named_modules())}
+    order = sorted(range(len(units)), key=lambda u: position[id(units[u][1])])
+    renumber = {old: new for new, old in enumerate(order)}
+    return [units[u] for u in order], {pid: renumber[u] for pid, u in owner.items()}
+
+
+def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from _tensors_in(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from _tensors_in(x)
+    elif hasattr(obj, "__dataclass_fields__"):
+        for f in obj.__dataclass_fields__:
+            yield from _tensors_in(getattr(obj, f, None))
+
+
+def install_unit_hooks(unit: Unit) -> list:
+    """Forward pre/post hooks that gather and release a (non-root) unit, and that make
+    backward gather it again before its gradients are computed."""
+
+    def pre_forward(module, args):
+        unit.gather()
+
+    def regather(grad):
+        unit.gather()
+        return grad
+
+    def post_forward(module, args, output):
+        if torch.is_grad_enabled():
+            for t in _tensors_in(output):
+                if t.requires_grad:
+                    t.register_hook(regather)
+        unit.release()
+        return output
+
+    return [unit.module.register_forward_pre_hook(pre_forward),
+            unit.module.register_forward_hook(post_forward)]
+
+
+# -- GatheredParameters -----------------------------------------------------------------------
+
+_GROUP_OF: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+
+
+def register_params(groups: Iterable[FlatGroup], comm: "Comm", sharded: bool) -> None:
+    """Remember which flat group holds each parameter (for ``GatheredParameters``)."""
+    for g in groups:
+        for p in g.params:
+            _GROUP_OF[p] = (g, comm, sharded)
+
+
+@contextlib.contextmanager
+def GatheredParameters(params: Any, modifier_rank: Optional[int] = None, enabled: bool = True):
+    """Gather full parameters for the duration of the context (DeepSpeed's API).
+
+    ``params``: a parameter or an iterable of them (parameters zerodp does not manage are
+    left alone). Inside, they hold their full values on every rank. With ``modifier_rank``,
+    that rank's values on exit (e.g. after an in-place initialization) are broadcast to every
+    rank and become the new shards; otherwise edits are discarded at stage 3. Every rank of
+    the data-parallel group must enter the context with the same parameters.
+    """
+    if not enabled:
+        yield
+        return
+    if isinstance(params, torch.Tensor):
+        params = [params]
+    seen, entries = set(), []
+    for p in params:
+        entry = _GROUP_OF.get(p)
+        if entry is not None and id(entry[0]) not in seen:
+            seen.add(id(entry[0]))
+            entries.append(entry)
+    gathered_here = []
+    for g, comm, sharded in entries:
+        if sharded and not g.gathered:
+            g.gather(comm)
+            gathered_here.append(g)
+    try:
+        yield
+    finally:
+        for g, comm, sharded in entries:
+            if modifier_rank is not None:
+                with torch.no_grad():
+                    comm.broadcast(g.full, src_rank=modifier_rank)
+                    if sharded:
+                        g._own_shard.copy_(g.shard_of(g.full))
+        for g in gathered_here:
+            g.release()

@@ -1,0 +1,38 @@
+"""Stage 3 specifics: how units are chosen, and GatheredParameters."""
+import pytest
+import torch
+
+from stage3_tasks import modify_with_gathered_parameters
+from zerodp.examples.gpt import build_gpt
+from zerodp.fetch import plan_units
+
+
+def test_units_skip_containers_and_keep_tied_weights_at_the_root():
+    model = build_gpt("small")
+    units, owner = plan_units(model, min_unit_params=10_000)
+    names = [name for name, _ in units]
+    assert names[0] == ""                                   # the root comes first
+    assert "blocks" not in names                            # a ModuleList is never called
+    assert all(owner[id(p)] in range(len(units)) for p in model.parameters())
+    assert owner[id(model.wte.weight)] == 0                 # tied with lm_head: stays at the root
+    # every unit's parameters sum to at least the threshold
+    for u, (_, mod) in enumerate(units[1:], start=1):
+        assert sum(p.numel() for p in model.parameters() if owner[id(p)] == u) >= 10_000
+
+
+def test_threshold_decides_granularity():
+    model = build_gpt("small")
+    fine, _ = plan_units(model, min_unit_params=1)
+    coarse, _ = plan_units(model, min_unit_params=10**9)
+    assert len(coarse) == 1 and len(fine) > 10
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gathered_parameters_modifier_rank(pool, stage):
+    results = pool.run(modify_with_gathered_parameters, 3, stage)
+    for res in results:
+        assert res["inside_shape"] == (8, 16)               # full inside the context
+        assert torch.equal(res["after"]["2.weight"], torch.full((8, 16), 1.0))
+        assert res["sharded_at_rest"]
+    for name in results[0]["after"]:
+        assert all(torch.equal(r["after"][name], results[0]["after"][name]) for r in results)
