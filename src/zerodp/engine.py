@@ -62,6 +62,17 @@ def _grad_hook(engine: "ZeroEngine", t: int, i: int) -> Callable[[nn.Parameter],
     return hook
 
 
+def _unit_done_hook(engine: "ZeroEngine") -> Callable[[Unit], None]:
+    """Called by a stage-3 unit's hooks once backward has gone through it (holds the engine weakly)."""
+    ref = weakref.ref(engine)
+
+    def done(unit: Unit) -> None:
+        live = ref()
+        if live is not None:
+            live._on_unit_backward_done(unit)
+    return done
+
+
 def _as_tensor_list(params) -> list:
     """A param group's ``params`` as a list of tensors, as torch optimizers accept them: a
     single tensor, an iterable of tensors, or of ``(name, tensor)`` pairs."""
@@ -105,8 +116,9 @@ class ZeroEngine(nn.Module):
                 g.shard_parameters()
             self.units = [Unit(u, name, mod, [g for g in self.flat_groups if g.unit == u], self.comm)
                           for u, (name, mod) in enumerate(unit_plan)]
+            done = _unit_done_hook(self)
             for unit in self.units[1:]:
-                self._unit_hooks += install_unit_hooks(unit)
+                self._unit_hooks += install_unit_hooks(unit, done)
         register_params(self.flat_groups, self.comm, sharded=self.policy.shard_parameters)
         unused = sorted({"stage3_prefetch_bucket_size", "stage3_max_live_parameters",
                          "stage3_max_reuse_distance"} & self.zero_config.model_fields_set)
@@ -295,6 +307,7 @@ class ZeroEngine(nn.Module):
                 self._finish_reduction()
             for unit in self.units:
                 unit.release()
+                unit.pending_backward = 0
         if self._reducing and boundary:
             self._reduced_for_boundary = True
         self._reducing = False
@@ -330,16 +343,39 @@ class ZeroEngine(nn.Module):
                 f"parameter {g.slots[i].name} received a second gradient in one backward after its "
                 "group was reduced (reentrant activation checkpointing or two backward passes "
                 "through one graph); use non-reentrant checkpointing or one engine.backward per loss")
+        if self._ready[t]:
+            raise RuntimeError(
+                f"parameter {g.slots[i].name} received its gradient after its stage-3 unit finished "
+                "backward; a parameter read outside the module that owns it must be registered "
+                "in (or shared with) a module that encloses every use")
         self._seen[t][i] = True
         g.fold_param_grad_into(self._grad_buffer(t), i)
-        if all(self._seen[t]):
-            self._mark_ready(t)
+        if all(self._seen[t]) and not self.units:
+            self._mark_ready(t)  # stage 3 launches per unit, in _on_unit_backward_done
+
+    def _on_unit_backward_done(self, unit: Unit) -> None:
+        """Stage 3: backward has gone through ``unit``; reduce its gradients, release it.
+
+        Launching per unit (not per parameter) keeps the order of all-gathers and
+        reduce-scatters the same on every rank even when a parameter inside a unit gets no
+        gradient on some ranks."""
+        if self._reducing:
+            for t, g in enumerate(self.trainable):
+                if g.unit == unit.index and not self._ready[t]:
+                    self._complete_group(t)
+        unit.release()
+
+    def _complete_group(self, t: int) -> None:
+        """Take gradients whose hooks did not fire (accumulated in no_sync, or none) and mark
+        group ``t`` ready."""
+        g, buf = self.trainable[t], self._grad_buffer(t)
+        for i in range(len(g.params)):
+            if not self._seen[t][i]:
+                g.fold_param_grad_into(buf, i)
+        self._mark_ready(t)
 
     def _mark_ready(self, t: int) -> None:
         self._ready[t] = True
-        unit = self.trainable[t].unit
-        if unit > 0 and all(self._ready[k] for k, g in enumerate(self.trainable) if g.unit == unit):
-            self.units[unit].release()  # stage 3: every gradient of the unit is computed
         while self._next_launch < len(self.trainable) and self._ready[self._next_launch]:
             self._launch_reduction(self._next_launch)
             self._next_launch += 1
@@ -365,13 +401,9 @@ class ZeroEngine(nn.Module):
 
     def _finish_reduction(self) -> None:
         """Launch the groups autograd never completed (unused parameters), then wait for all."""
-        for t, g in enumerate(self.trainable):
+        for t in range(len(self.trainable)):
             if not self._ready[t]:
-                buf = self._grad_buffer(t)
-                for i in range(len(g.params)):
-                    if not self._seen[t][i]:
-                        g.fold_param_grad_into(buf, i)
-                self._mark_ready(t)
+                self._complete_group(t)
         for h in self._handles:
             h.wait()
         self._handles = []

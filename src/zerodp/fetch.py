@@ -16,7 +16,7 @@ patched.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -34,6 +34,7 @@ class Unit:
     def __init__(self, index: int, name: str, module: nn.Module, groups: list[FlatGroup],
                  comm: "Comm") -> None:
         self.index, self.name, self.module, self.groups, self.comm = index, name, module, groups, comm
+        self.pending_backward = 0  # forward calls whose backward has not gone through yet
 
     @property
     def is_root(self) -> bool:
@@ -99,12 +100,57 @@ def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
             yield from _tensors_in(getattr(obj, f, None))
 
 
-def install_unit_hooks(unit: Unit) -> list:
-    """Forward pre/post hooks that gather and release a (non-root) unit, and that make
-    backward gather it again before its gradients are computed."""
+class _AfterUnitBackward(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward runs when backward has gone through the
+    unit, i.e. once every gradient of the unit's parameters exists (accumulating parameter
+    gradients run first: autograd gives them priority)."""
 
-    def pre_forward(module, args):
+    @staticmethod
+    def forward(ctx, callback, *inputs):
+        ctx.callback = callback
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.callback()
+        return (None, *grads)
+
+
+def _map_tensors(obj: Any, fn) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_map_tensors(x, fn) for x in obj)
+    if isinstance(obj, list):
+        return [_map_tensors(x, fn) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    return obj
+
+
+def install_unit_hooks(unit: Unit, backward_done: Callable[[Unit], None]) -> list:
+    """Forward pre/post hooks for a (non-root) unit: gather it before its forward, release it
+    after; gather it again when backward reaches its outputs; call ``backward_done(unit)``
+    when backward has gone through every call of the unit (never, if no input of the unit
+    requires grad: the engine then finishes the unit when backward ends)."""
+
+    def pre_forward(module, args, kwargs):
         unit.gather()
+        if not torch.is_grad_enabled():
+            return None
+        needs = [t for t in _tensors_in((args, kwargs)) if t.requires_grad]
+        if not needs:
+            return None
+        unit.pending_backward += 1
+        outs = iter(_AfterUnitBackward.apply(after_backward, *needs))
+        ids = {id(t) for t in needs}
+        swap = lambda t: next(outs) if id(t) in ids else t  # noqa: E731
+        return _map_tensors(args, swap), _map_tensors(kwargs, swap)
+
+    def after_backward():
+        unit.pending_backward -= 1
+        if unit.pending_backward == 0:
+            backward_done(unit)
 
     def regather(grad):
         unit.gather()
@@ -118,7 +164,7 @@ def install_unit_hooks(unit: Unit) -> list:
         unit.release()
         return output
 
-    return [unit.module.register_forward_pre_hook(pre_forward),
+    return [unit.module.register_forward_pre_hook(pre_forward, with_kwargs=True),
             unit.module.register_forward_hook(post_forward)]
 
 
