@@ -97,3 +97,74 @@ def gated_train(group, steps: int) -> dict:
     units = [u.name for u in engine.units]
     engine.destroy()
     return {"params": out, "units": units}
+
+
+def _stage3_config(prefetch: int, lr: float = 0.05) -> dict:
+    return {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 10**9,
+            "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.01}},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1,
+                                  "stage3_prefetch_bucket_size": prefetch, "overlap_comm": True}}
+
+
+def deep_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(16, 16, bias=False), nn.Tanh())])
+
+
+def prefetch_task(group, prefetch: int) -> dict:
+    """Six equal units; returns the peak of gathered parameter bytes and the result."""
+    rank = dist.get_rank(group)
+    engine, _, _, _ = zerodp.initialize(model=deep_net(), config=_stage3_config(prefetch), process_group=group)
+    for step in range(3):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank))
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+    mem = engine.memory_breakdown()
+    unit_bytes = engine.units[1].numel * 4
+    with zerodp.GatheredParameters(list(engine.module.parameters())):
+        params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    engine.destroy()
+    return {"peak": mem["gathered_parameters_peak"], "unit_bytes": unit_bytes, "params": params,
+            "units": len(engine.units), "order": engine.prefetcher.order}
+
+
+class Reorder(nn.Module):
+    """Three units whose forward order flips in some steps (on every rank)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = (nn.Linear(6, 6) for _ in range(3))
+
+    def forward(self, x, flip: bool):
+        for m in ((self.c, self.b, self.a) if flip else (self.a, self.b, self.c)):
+            x = torch.tanh(m(x))
+        return x.pow(2).mean()
+
+
+def reorder_batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(4, 6, generator=torch.Generator().manual_seed(7 * step + rank))
+
+
+def reorder_reference(world: int, steps: int) -> dict:
+    torch.manual_seed(0)
+    model = Reorder()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
+    for step in range(steps):
+        opt.zero_grad()
+        (sum(model(reorder_batch(step, r), step == 2) for r in range(world)) / world).backward()
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def reorder_task(group, steps: int) -> dict:
+    rank = dist.get_rank(group)
+    torch.manual_seed(0)
+    engine, _, _, _ = zerodp.initialize(model=Reorder(), config=_stage3_config(10**6), process_group=group)
+    for step in range(steps):
+        engine.backward(engine(reorder_batch(step, rank), step == 2))
+        engine.step()
+    with zerodp.GatheredParameters(list(engine.module.parameters())):
+        params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    rerecords = engine.prefetcher.rerecords
+    engine.destroy()
+    return {"params": params, "rerecords": rerecords}

@@ -50,3 +50,30 @@ def test_parameter_unused_on_some_ranks_inside_a_unit(pool, world):
     for res in results:
         for name, want in ref.items():
             assert (res["params"][name] - want).abs().max().item() < 2e-6, name
+
+
+def test_prefetch_bounds_live_parameters_and_keeps_numbers(pool):
+    """Without prefetch one unit's parameters are gathered at a time; prefetching one unit
+    ahead keeps at most two alive; the trained parameters are identical either way."""
+    from stage3_tasks import prefetch_task
+    off = pool.run(prefetch_task, 2, 0)
+    one = pool.run(prefetch_task, 2, 256)          # one 16x16 unit ahead
+    unit_bytes = off[0]["unit_bytes"]
+    assert off[0]["units"] == 7 and off[0]["order"] == [1, 2, 3, 4, 5, 6]
+    assert off[0]["peak"] == unit_bytes
+    assert one[0]["peak"] == 2 * unit_bytes
+    for name, want in off[0]["params"].items():
+        assert torch.equal(one[0]["params"][name], want), name
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_changed_unit_order_is_recorded_again(pool, world):
+    """A forward that runs the units in another order stops the prefetch for that pass and
+    records the order again; the numbers stay those of single-process training."""
+    from stage3_tasks import reorder_reference, reorder_task
+    results = pool.run(reorder_task, world, 4, timeout=60)
+    ref = reorder_reference(world, 4)
+    for res in results:
+        assert res["rerecords"] == 1                # the flipped step
+        for name, want in ref.items():
+            assert (res["params"][name] - want).abs().max().item() < 2e-6, name

@@ -95,14 +95,14 @@ class ZeroConfig(_Section):
     contiguous_gradients: bool = Field(True, description="Accepted for compatibility: zerodp always collects gradients into contiguous flat buffers as they are produced.")
     reduce_scatter: bool = Field(True, description="Stages 1-2: reduce gradients by reduce-scatter (true) or by all-reduce, each rank then keeping its shard (false; same numbers, twice the gradient traffic).")
     allgather_partitions: bool = Field(True, description="Accepted for compatibility: zerodp picks the all-gather form that is fastest on the backend (per-owner broadcasts on gloo, all_gather_single on NCCL).")
-    stage3_prefetch_bucket_size: _Positive = Field(
-        50_000_000, description="Stage 3: elements of parameters to prefetch. Accepted, not used yet: each unit is gathered when its forward or backward starts (a warning says so when set).")
+    stage3_prefetch_bucket_size: _NonNegative = Field(
+        50_000_000, description="Stage 3: while a unit computes, all-gather the units expected next (recorded forward order; reverse in backward) up to this many elements ahead; 0 disables prefetching.")
     stage3_param_persistence_threshold: _NonNegative = Field(
         100_000, description="Stage 3: a module becomes a unit (gathered before its forward and backward, released after) when its parameters not claimed by a unit below it number at least this many elements; smaller modules' parameters go with the enclosing unit, and the root unit stays gathered from forward to the end of backward.")
     stage3_max_live_parameters: _Positive = Field(
-        1_000_000_000, description="Stage 3: max gathered parameter elements per rank. Accepted, not enforced yet (a warning says so when set); without prefetch, the units being computed and their enclosing units are gathered.")
+        1_000_000_000, description="Stage 3: prefetching stops where it would bring the gathered parameter elements on a rank above this (units being computed are always gathered).")
     stage3_max_reuse_distance: _NonNegative = Field(
-        1_000_000_000, description="Stage 3: keep a gathered parameter if reused within this many elements. Accepted, not used yet (a warning says so when set).")
+        1_000_000_000, description="Stage 3: keep a gathered parameter if reused within this many elements. Accepted, not used: zerodp releases a unit after each use (a warning says so when set).")
     stage3_gather_16bit_weights_on_model_save: bool = Field(
         False, description="Stage 3: gather full weights when saving the model. Accepted; checkpoints are not implemented yet.")
     offload_optimizer: OffloadConfig | None = Field(

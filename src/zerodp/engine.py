@@ -38,7 +38,7 @@ from torch import nn
 from . import accelerator
 from .comm import Comm, Handle
 from .config import Config, ConfigError, resolve_batch_sizes
-from .fetch import Unit, install_unit_hooks, plan_units, register_params
+from .fetch import Prefetcher, Unit, install_unit_hooks, plan_units, register_params
 from .flat import FlatGroup
 from .memory import measure_model_states
 from .optim import build_scheduler, check_elementwise, optimizer_factory_from_config
@@ -116,15 +116,16 @@ class ZeroEngine(nn.Module):
                 g.shard_parameters()
             self.units = [Unit(u, name, mod, [g for g in self.flat_groups if g.unit == u], self.comm)
                           for u, (name, mod) in enumerate(unit_plan)]
+            zc = self.zero_config
+            self.prefetcher = Prefetcher(self.units, zc.stage3_prefetch_bucket_size,
+                                         zc.stage3_max_live_parameters)
             done = _unit_done_hook(self)
             for unit in self.units[1:]:
-                self._unit_hooks += install_unit_hooks(unit, done)
+                self._unit_hooks += install_unit_hooks(unit, self.prefetcher, done)
         register_params(self.flat_groups, self.comm, sharded=self.policy.shard_parameters)
-        unused = sorted({"stage3_prefetch_bucket_size", "stage3_max_live_parameters",
-                         "stage3_max_reuse_distance"} & self.zero_config.model_fields_set)
-        if unused and self.policy.shard_parameters:
-            warnings.warn(f"zerodp stage 3 does not prefetch or bound live parameters yet; "
-                          f"zero_optimization.{', '.join(unused)} has no effect", UserWarning, stacklevel=3)
+        if self.policy.shard_parameters and "stage3_max_reuse_distance" in self.zero_config.model_fields_set:
+            warnings.warn("zerodp stage 3 releases a unit after every use; "
+                          "zero_optimization.stage3_max_reuse_distance has no effect", UserWarning, stacklevel=3)
         for g in self.trainable:
             g.allocate_gradients(keep_full=not self.policy.shard_gradients)
 
@@ -289,9 +290,13 @@ class ZeroEngine(nn.Module):
         with self._timed("forward"):
             if self.units:  # stage 3: the root unit stays gathered until backward ends
                 self.units[0].gather()
+                self.prefetcher.start_forward()
             out = self.module(*args, **kwargs)
-            if self.units and not torch.is_grad_enabled():
-                self.units[0].release()
+            if self.units:
+                self.prefetcher.end_forward()
+                if not torch.is_grad_enabled():  # no backward follows: release prefetched units too
+                    for unit in self.units:
+                        unit.release()
             return out
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:

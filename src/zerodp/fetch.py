@@ -40,13 +40,100 @@ class Unit:
     def is_root(self) -> bool:
         return self.index == 0
 
-    def gather(self) -> None:
+    @property
+    def numel(self) -> int:
+        return sum(g.padded_numel for g in self.groups)
+
+    @property
+    def gathered(self) -> bool:
+        return all(g.gathered for g in self.groups)
+
+    def gather(self, async_op: bool = False) -> None:
         for g in self.groups:
-            g.gather(self.comm)
+            g.gather(self.comm, async_op=async_op)
 
     def release(self) -> None:
         for g in self.groups:
             g.release()
+
+
+class Prefetcher:
+    """Gathers the units expected next while the current one computes.
+
+    The forward order of units is recorded in the first forward; later forwards check each
+    unit against it and, while it holds, start the all-gathers of the next units (forward
+    order; reverse order in backward) as asynchronous collectives, up to
+    ``bucket_numel`` elements ahead and never beyond ``max_live_numel`` gathered elements.
+    When a forward departs from the recorded order, prefetching stops for that pass and
+    the order is recorded again in the next one (prefetching resumes in the one after). Every rank takes the same decisions, so
+    the collectives stay in the same order on every rank.
+    """
+
+    def __init__(self, units: list[Unit], bucket_numel: int, max_live_numel: int) -> None:
+        self.units, self.bucket_numel, self.max_live_numel = units, bucket_numel, max_live_numel
+        self.order: Optional[list[int]] = None
+        self._recording: list[int] = []
+        self._pos = self._bpos = 0
+        self._valid = self._stale = False
+        self._last_backward = -1
+        self.rerecords = 0
+        self.peak_gathered_bytes = 0
+
+    def start_forward(self) -> None:
+        if self._stale:
+            self.order, self._stale = None, False
+        self._recording, self._pos, self._bpos, self._last_backward = [], 0, 0, -1
+        self._valid = self.order is not None
+
+    def end_forward(self) -> None:
+        if self.order is None:
+            self.order = self._recording
+
+    def before_forward(self, unit: Unit) -> None:
+        unit.gather()
+        if self.order is None:
+            self._recording.append(unit.index)
+        elif self._valid:
+            if self._pos < len(self.order) and self.order[self._pos] == unit.index:
+                self._pos += 1
+                self._prefetch(self.order[self._pos:])
+            else:  # the model ran a different sequence of units: record it in the next pass
+                self._valid = False
+                self._stale = True
+                self.rerecords += 1
+        self._note_peak()
+
+    def before_backward(self, unit: Unit) -> None:
+        unit.gather()
+        if unit.index != self._last_backward and self.order is not None and self._valid:
+            self._last_backward = unit.index
+            reverse = self.order[::-1]
+            while self._bpos < len(reverse) and reverse[self._bpos] != unit.index:
+                self._bpos += 1
+            self._bpos += 1
+            self._prefetch(reverse[self._bpos:])
+        self._note_peak()
+
+    def _prefetch(self, upcoming: list[int]) -> None:
+        if self.bucket_numel <= 0:
+            return
+        live = sum(g.padded_numel for u in self.units for g in u.groups if g.gathered)
+        budget = self.bucket_numel
+        for index in upcoming:
+            unit = self.units[index]
+            if unit.gathered:
+                continue
+            if live + unit.numel > self.max_live_numel or (budget < self.bucket_numel and unit.numel > budget):
+                break
+            unit.gather(async_op=True)
+            live += unit.numel
+            budget -= unit.numel
+            if budget <= 0:
+                break
+
+    def _note_peak(self) -> None:
+        live = sum(g.full.untyped_storage().nbytes() for u in self.units for g in u.groups)
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, live)
 
 
 #: Containers that are never called, so their forward hooks never run: never units.
@@ -128,14 +215,14 @@ def _map_tensors(obj: Any, fn) -> Any:
     return obj
 
 
-def install_unit_hooks(unit: Unit, backward_done: Callable[[Unit], None]) -> list:
+def install_unit_hooks(unit: Unit, prefetcher: Prefetcher, backward_done: Callable[[Unit], None]) -> list:
     """Forward pre/post hooks for a (non-root) unit: gather it before its forward, release it
     after; gather it again when backward reaches its outputs; call ``backward_done(unit)``
     when backward has gone through every call of the unit (never, if no input of the unit
     requires grad: the engine then finishes the unit when backward ends)."""
 
     def pre_forward(module, args, kwargs):
-        unit.gather()
+        prefetcher.before_forward(unit)
         if not torch.is_grad_enabled():
             return None
         needs = [t for t in _tensors_in((args, kwargs)) if t.requires_grad]
@@ -153,7 +240,7 @@ def install_unit_hooks(unit: Unit, backward_done: Callable[[Unit], None]) -> lis
             backward_done(unit)
 
     def regather(grad):
-        unit.gather()
+        prefetcher.before_backward(unit)
         return grad
 
     def post_forward(module, args, output):

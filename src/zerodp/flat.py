@@ -104,6 +104,7 @@ class FlatGroup:
                 self.pieces.append(Piece(i, lo - self.shard_lo, hi - self.shard_lo, lo - slot.offset))
 
         self._own_shard: Optional[torch.Tensor] = None
+        self._pending = None  # a stage-3 all-gather in flight (prefetch)
         self.grad_full: Optional[torch.Tensor] = None
         self.grad_shard: Optional[torch.Tensor] = None
         self.piece_params: list[nn.Parameter] = []
@@ -148,15 +149,25 @@ class FlatGroup:
 
     def release(self) -> None:
         """Free the full buffer's storage (stage 3, after use)."""
+        self.wait_gathered()
         self.full.untyped_storage().resize_(0)
 
-    def gather(self, comm) -> None:
-        """Re-allocate the full buffer and all-gather every rank's shard into it."""
+    def gather(self, comm, async_op: bool = False) -> None:
+        """Re-allocate the full buffer and all-gather every rank's shard into it; with
+        ``async_op`` (a prefetch) the transfer goes on until ``wait_gathered()``."""
         if self.gathered:
+            if not async_op:
+                self.wait_gathered()
             return
         self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
         self.shard_of(self.full).copy_(self._own_shard)
-        comm.all_gather(self.full)
+        self._pending = comm.all_gather(self.full, async_op=async_op)
+
+    def wait_gathered(self) -> None:
+        """Finish a prefetch in flight, if any."""
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
 
     def bind_params_to_full(self) -> None:
         """Make every parameter's ``.data`` a view into ``full``."""

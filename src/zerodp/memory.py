@@ -27,7 +27,8 @@ def measure_model_states(engine: "ZeroEngine") -> dict[str, int]:
     * ``parameters``: the persistent flat parameter buffers (full at stages 0-2, this rank's
       shards at stage 3);
     * ``gathered_parameters``: stage 3's full parameter buffers allocated right now (between
-      a unit's gather and release; zero between steps);
+      a unit's gather and release; zero between steps), and ``gathered_parameters_peak``, the
+      most allocated at once so far (prefetched units included);
     * ``gradients``: persistent gradient storage (the full buffer at stages 0-1, the shard
       at stage 2);
     * ``master_weights``: fp32 master copies kept apart from the parameters (none in fp32
@@ -64,6 +65,7 @@ def measure_model_states(engine: "ZeroEngine") -> dict[str, int]:
                 out[key] += _nbytes(value)
     out["gradient_buckets"] = sum(_nbytes(b) for b in engine._buckets.values())
     out["gradient_buckets_peak"] = engine.peak_bucket_bytes
+    out["gathered_parameters_peak"] = engine.prefetcher.peak_gathered_bytes if engine.units else 0
     out["model_states"] = (out["parameters"] + out["gradients"] + out["master_weights"]
                            + out["optimizer_states"])
     return out
