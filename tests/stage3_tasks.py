@@ -168,3 +168,20 @@ def reorder_task(group, steps: int) -> dict:
     rerecords = engine.prefetcher.rerecords
     engine.destroy()
     return {"params": params, "rerecords": rerecords}
+
+
+def divergent_task(group) -> str:
+    """Rank 0 runs a branch the other ranks skip; returns the error every rank raised."""
+    from parity_model import batch, build_model, make_config
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    cfg = make_config(3, world)
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 1
+    engine, _, _, _ = zerodp.initialize(model=build_model(), config=cfg, process_group=group)
+    try:
+        engine.backward(engine(*batch(0, rank, 0), rank == 0))
+        engine.step()
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        engine.destroy()
+    return "no error"

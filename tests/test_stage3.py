@@ -77,3 +77,15 @@ def test_changed_unit_order_is_recorded_again(pool, world):
         assert res["rerecords"] == 1                # the flipped step
         for name, want in ref.items():
             assert (res["params"][name] - want).abs().max().item() < 2e-6, name
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_running_different_units_fail_clearly(pool, world):
+    """Data-dependent branches that differ between ranks give an error on every rank, within
+    seconds, naming which rank ran which unit, instead of a hang in mismatched collectives."""
+    from stage3_tasks import divergent_task
+    errors = pool.run(divergent_task, world, timeout=60)
+    for err in errors:
+        assert "rank 0 ran unit" in err and "(branch)" in err, err
+        assert "rank 1 ran unit" in err, err
+    assert len(set(errors)) == 1

@@ -142,6 +142,18 @@ class Comm:
                      for i, c in enumerate(chunks)]
         return self._finish(Handle(works, then), async_op)
 
+    def all_gather_ints(self, values: list[int]) -> list[list[int]]:
+        """Every rank's short list of ints (same length on every rank), in rank order;
+        counted as control traffic."""
+        if self.world_size == 1:
+            return [list(values)]
+        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else None
+        mine = torch.tensor(values, dtype=torch.int64, device=device)
+        out = [torch.empty_like(mine) for _ in range(self.world_size)]
+        self.counter.add("control", mine.numel() * 8 * (self.world_size - 1))
+        dist.all_gather(out, mine, group=self.group)
+        return [t.tolist() for t in out]
+
     def broadcast(self, tensor: torch.Tensor, src_rank: int = 0) -> None:
         """Broadcast ``tensor`` from group rank ``src_rank`` (used at start-up, not counted)."""
         if self.world_size > 1:

@@ -57,6 +57,9 @@ class Unit:
             g.release()
 
 
+END_OF_FORWARD = -1
+
+
 class Prefetcher:
     """Gathers the units expected next while the current one computes.
 
@@ -86,10 +89,30 @@ class Prefetcher:
         self._valid = self.order is not None
 
     def end_forward(self) -> None:
+        self._check_same_unit_everywhere(END_OF_FORWARD)
         if self.order is None:
             self.order = self._recording
 
+    def _check_same_unit_everywhere(self, index: int) -> None:
+        """Fail on every rank, instead of hanging in mismatched collectives, when the ranks
+        are about to run different units (data-dependent branches)."""
+        comm = self.units[0].comm
+        if comm.world_size == 1:
+            return
+        seen = [v[0] for v in comm.all_gather_ints([index])]
+        if len(set(seen)) > 1:
+            def what(i):
+                return "ended its forward" if i == END_OF_FORWARD else \
+                    f"ran unit {i} ({self.units[i].name or 'root'})"
+            raise RuntimeError(
+                "stage 3 needs every rank to run the same modules in the same order, but "
+                + "; ".join(f"rank {r} {what(i)}" for r, i in enumerate(seen))
+                + ". Make the branch the same on every rank (e.g. run both and mask), or put "
+                "the modules that may be skipped inside a unit that always runs "
+                "(raise stage3_param_persistence_threshold), or use stage 2.")
+
     def before_forward(self, unit: Unit) -> None:
+        self._check_same_unit_everywhere(unit.index)
         unit.gather()
         if self.order is None:
             self._recording.append(unit.index)
