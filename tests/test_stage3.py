@@ -20,6 +20,16 @@ def test_units_skip_containers_and_keep_tied_weights_at_the_root():
         assert sum(p.numel() for p in model.parameters() if owner[id(p)] == u) >= 10_000
 
 
+def test_named_unit_classes():
+    from zerodp.examples.gpt import Block
+    model = build_gpt("small")
+    units, owner = plan_units(model, min_unit_params=10**9, unit_classes=(Block,))
+    assert [name for name, _ in units] == ["", "blocks.0", "blocks.1", "blocks.2", "blocks.3"]
+    block0 = dict(model.named_modules())["blocks.0"]
+    assert all(owner[id(p)] == 1 for p in block0.parameters())
+    assert owner[id(model.ln_f.weight)] == 0
+
+
 def test_threshold_decides_granularity():
     model = build_gpt("small")
     fine, _ = plan_units(model, min_unit_params=1)

@@ -54,7 +54,7 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
                model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
                config: Any = None, config_params: Any = None, dist_init_required: Optional[bool] = None,
                collate_fn: Any = None, process_group: Optional[dist.ProcessGroup] = None,
-               preset: Optional[str] = None):
+               preset: Optional[str] = None, unit_classes: Any = ()):
     """Wrap ``model`` for ZeRO training; DeepSpeed's ``deepspeed.initialize`` signature.
 
     Returns ``(engine, optimizer, dataloader, lr_scheduler)``; ``dataloader`` is ``None``
@@ -69,6 +69,9 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     * ``model_parameters``: parameters or param-group dicts with their own hyperparameters.
     * ``process_group``: the data-parallel group (default: the whole world).
     * ``preset``: one of ``zero0``..``zero3``, with ``config`` merged over it.
+    * ``unit_classes``: stage 3: module classes whose instances are gathered and released as
+      units (e.g. the transformer block class); by default units are chosen by size
+      (``stage3_param_persistence_threshold``).
     """
     if model is None:
         raise ValueError("initialize needs model=")
@@ -82,7 +85,8 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     if dist_init_required is not False:
         accelerator.init_distributed()
     engine = ZeroEngine(model, cfg, model_parameters=model_parameters, optimizer=optimizer,
-                        lr_scheduler=lr_scheduler, process_group=process_group)
+                        lr_scheduler=lr_scheduler, process_group=process_group,
+                        unit_classes=unit_classes)
     loader = None
     if training_data is not None:
         from torch.utils.data.distributed import DistributedSampler

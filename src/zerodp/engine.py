@@ -87,7 +87,8 @@ class ZeroEngine(nn.Module):
 
     def __init__(self, model: nn.Module, config: Config, *, model_parameters=None,
                  optimizer=None, lr_scheduler=None,
-                 process_group: Optional[dist.ProcessGroup] = None) -> None:
+                 process_group: Optional[dist.ProcessGroup] = None,
+                 unit_classes: Iterable[type] = ()) -> None:
         super().__init__()
         self.config = config
         self.comm = Comm(process_group)
@@ -105,7 +106,8 @@ class ZeroEngine(nn.Module):
 
         groups = self._user_param_groups(model_parameters, optimizer)
         unit_plan, self._unit_of = ([("", self.module)], {}) if not self.policy.shard_parameters \
-            else plan_units(self.module, self.zero_config.stage3_param_persistence_threshold)
+            else plan_units(self.module, self.zero_config.stage3_param_persistence_threshold,
+                            tuple(unit_classes))
         self.flat_groups = self._build_flat_groups(groups)
         self.trainable = [g for g in self.flat_groups if g.trainable]
         self._broadcast_initial_state()

@@ -163,13 +163,15 @@ class Prefetcher:
 _NOT_CALLED = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
 
-def plan_units(model: nn.Module, min_unit_params: int) -> tuple[list[tuple[str, nn.Module]], dict[int, int]]:
+def plan_units(model: nn.Module, min_unit_params: int, unit_classes: tuple[type, ...] = ()
+               ) -> tuple[list[tuple[str, nn.Module]], dict[int, int]]:
     """Choose the units: returns ``[(name, module)]`` with the root first, and a map from
     parameter id to unit index.
 
-    Walking children before parents, a module becomes a unit when the parameters of its
-    subtree not yet claimed by a unit below it number at least ``min_unit_params``
-    elements. Containers that are never called (``ModuleList``, ``ModuleDict``) are never
+    With ``unit_classes``, every module of those classes is a unit (like FSDP's wrap
+    policy), whatever its size. Otherwise, walking children before parents, a module becomes
+    a unit when the parameters of its subtree not yet claimed by a unit below it number at
+    least ``min_unit_params`` elements. Containers that are never called (``ModuleList``, ``ModuleDict``) are never
     units. Parameters registered in more than one module stay with the root.
     """
     holders: dict[int, int] = {}
@@ -183,7 +185,9 @@ def plan_units(model: nn.Module, min_unit_params: int) -> tuple[list[tuple[str, 
         if mod is model or isinstance(mod, _NOT_CALLED):
             continue
         mine = [p for p in mod.parameters() if id(p) not in owner and id(p) not in shared]
-        if mine and sum(p.numel() for p in mine) >= min_unit_params:
+        wanted = isinstance(mod, unit_classes) if unit_classes else \
+            sum(p.numel() for p in mine) >= min_unit_params
+        if mine and wanted:
             units.append((name, mod))
             for p in mine:
                 owner[id(p)] = len(units) - 1

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from . import accelerator, initialize
 from .comm import all_gather_numbers
 from .config import PRESETS, Config, ConfigError, load_config, resolve_batch_sizes
-from .examples.gpt import GPT_PRESETS, ByteCorpus, build_gpt
+from .examples.gpt import GPT_PRESETS, Block, ByteCorpus, build_gpt
 from .optim import build_scheduler, check_elementwise, optimizer_factory_from_config
 from .stages import policy_for
 
@@ -311,7 +311,7 @@ def _train(args: argparse.Namespace, rank: int, world: int) -> int:
     block = model.config.block_size
     corpus = ByteCorpus(max_bytes=args.max_bytes)
     check_args(args, corpus)
-    engine, *_ = initialize(model=model, config=cfg)
+    engine, *_ = initialize(model=model, config=cfg, unit_classes=(Block,))  # stage-3 units
     device = engine.device
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     seqs_per_step = micro * gas * world
