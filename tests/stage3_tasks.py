@@ -185,3 +185,37 @@ def divergent_task(group) -> str:
     finally:
         engine.destroy()
     return "no error"
+
+
+def meta_init_task(group) -> dict:
+    """Build the example GPT on the meta device and train it at stage 3: no rank ever holds
+    more than its shards plus one unit's full parameters."""
+    from zerodp.examples.gpt import GPT, Block, build_gpt
+    rank = dist.get_rank(group)
+    with torch.device("meta"):
+        model = build_gpt("small")
+    full_bytes = 4 * sum(p.numel() for p in model.parameters())
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
+           "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
+           "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 0}}
+    engine, _, _, _ = zerodp.initialize(model=model, config=cfg, process_group=group,
+                                        unit_classes=(Block,), param_init_fn=GPT._init_weights)
+    init_peak = engine.memory_breakdown()["gathered_parameters_peak"]
+    unit_bytes = max(u.numel for u in engine.units) * 4
+    x = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(rank))
+    losses = []
+    for _ in range(6):  # the same batch: the loss must fall
+        _, loss = engine(x, x)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    mem = engine.memory_breakdown()
+    with zerodp.GatheredParameters(list(engine.module.parameters())):
+        std = engine.module.blocks[0].mlp.c_fc.weight.std().item()
+        ln = engine.module.blocks[0].ln_1.weight.detach().clone()
+        checksum = sum(p.double().sum().item() for p in engine.module.parameters())
+        tied = engine.module.lm_head.weight is engine.module.wte.weight
+    engine.destroy()
+    held = mem["parameters"] + mem["gradients"] + mem["optimizer_states"] + mem["gathered_parameters_peak"]
+    return {"full_bytes": full_bytes, "init_peak": init_peak, "unit_bytes": unit_bytes, "held": held,
+            "losses": losses, "std": std, "ln": ln, "checksum": checksum, "tied": tied}

@@ -99,3 +99,19 @@ def test_ranks_running_different_units_fail_clearly(pool, world):
         assert "rank 0 ran unit" in err and "(branch)" in err, err
         assert "rank 1 ran unit" in err, err
     assert len(set(errors)) == 1
+
+
+def test_model_built_on_meta_device_never_fully_held(pool):
+    """A cap of 85% of the model's full fp32 size per rank: the model is built on the meta
+    device, each unit initialized in turn and sharded, and training stays under the cap."""
+    from stage3_tasks import meta_init_task
+    results = pool.run(meta_init_task, 4, timeout=120)
+    for res in results:
+        cap = 0.85 * res["full_bytes"]
+        assert res["init_peak"] <= res["unit_bytes"] < cap
+        assert res["held"] < cap, (res["held"], cap)
+        assert 0.015 < res["std"] < 0.025                   # GPT init: normal(0, 0.02)
+        assert (res["ln"] - 1).abs().max() < 0.05          # LayerNorm reset to 1 (then trained)
+        assert res["tied"]
+        assert res["losses"][-1] < res["losses"][0] - 0.1  # it trains
+    assert len({round(r["checksum"], 6) for r in results}) == 1  # every rank: the same model

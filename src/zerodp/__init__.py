@@ -54,7 +54,7 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
                model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
                config: Any = None, config_params: Any = None, dist_init_required: Optional[bool] = None,
                collate_fn: Any = None, process_group: Optional[dist.ProcessGroup] = None,
-               preset: Optional[str] = None, unit_classes: Any = ()):
+               preset: Optional[str] = None, unit_classes: Any = (), param_init_fn: Any = None):
     """Wrap ``model`` for ZeRO training; DeepSpeed's ``deepspeed.initialize`` signature.
 
     Returns ``(engine, optimizer, dataloader, lr_scheduler)``; ``dataloader`` is ``None``
@@ -72,6 +72,10 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     * ``unit_classes``: stage 3: module classes whose instances are gathered and released as
       units (e.g. the transformer block class); by default units are chosen by size
       (``stage3_param_persistence_threshold``).
+    * A model built on the meta device (``with torch.device("meta"): model = Net()``) is
+      accepted at stage 3: each unit is materialized in turn, initialized by its modules'
+      ``reset_parameters()`` and then ``param_init_fn(module)`` if given, and only this rank's
+      shard is kept, so no rank ever holds the whole model.
     """
     if model is None:
         raise ValueError("initialize needs model=")
@@ -86,7 +90,7 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
         accelerator.init_distributed()
     engine = ZeroEngine(model, cfg, model_parameters=model_parameters, optimizer=optimizer,
                         lr_scheduler=lr_scheduler, process_group=process_group,
-                        unit_classes=unit_classes)
+                        unit_classes=unit_classes, param_init_fn=param_init_fn)
     loader = None
     if training_data is not None:
         from torch.utils.data.distributed import DistributedSampler

@@ -88,7 +88,8 @@ class ZeroEngine(nn.Module):
     def __init__(self, model: nn.Module, config: Config, *, model_parameters=None,
                  optimizer=None, lr_scheduler=None,
                  process_group: Optional[dist.ProcessGroup] = None,
-                 unit_classes: Iterable[type] = ()) -> None:
+                 unit_classes: Iterable[type] = (),
+                 param_init_fn: Optional[Callable[[nn.Module], None]] = None) -> None:
         super().__init__()
         self.config = config
         self.comm = Comm(process_group)
@@ -99,23 +100,37 @@ class ZeroEngine(nn.Module):
         (self._train_batch_size, self._micro_batch_size,
          self._gas) = resolve_batch_sizes(config, self.dp_world_size)
         self.device = accelerator.default_device()
-        if any(p.is_meta for p in model.parameters()):
-            raise ValueError("the model has parameters on the meta device; materialize them "
-                             "before zerodp.initialize (stages 0-2 keep full parameters on every rank)")
-        self.module = model.to(self.device)
+        meta = any(p.is_meta for p in model.parameters())
+        if meta and not self.policy.shard_parameters:
+            raise ValueError("the model has parameters on the meta device; stages 0-2 keep full "
+                             "parameters on every rank, so materialize the model first, or use "
+                             "stage 3, which initializes each unit's shards directly")
+        if meta:
+            if any(b.is_meta for b in model.buffers()):
+                raise ValueError("the model has buffers on the meta device; build buffers with real "
+                                 "values (only parameters may be on the meta device)")
+            for mod in model.modules():
+                for name, buf in mod._buffers.items():
+                    if buf is not None:
+                        mod._buffers[name] = buf.to(self.device)
+            self.module = model
+        else:
+            self.module = model.to(self.device)
 
         groups = self._user_param_groups(model_parameters, optimizer)
         unit_plan, self._unit_of = ([("", self.module)], {}) if not self.policy.shard_parameters \
             else plan_units(self.module, self.zero_config.stage3_param_persistence_threshold,
                             tuple(unit_classes))
         self.flat_groups = self._build_flat_groups(groups)
+        self._adopt_replaced_params()
         self.trainable = [g for g in self.flat_groups if g.trainable]
         self._broadcast_initial_state()
         self.units: list[Unit] = []
         self._unit_hooks = []
         if self.policy.shard_parameters:
             for g in self.flat_groups:
-                g.shard_parameters()
+                if not g.shards_parameters:
+                    g.shard_parameters()
             self.units = [Unit(u, name, mod, [g for g in self.flat_groups if g.unit == u], self.comm)
                           for u, (name, mod) in enumerate(unit_plan)]
             zc = self.zero_config
@@ -124,6 +139,8 @@ class ZeroEngine(nn.Module):
             done = _unit_done_hook(self)
             for unit in self.units[1:]:
                 self._unit_hooks += install_unit_hooks(unit, self.prefetcher, done)
+            if meta:
+                self._initialize_meta_units(param_init_fn)
         register_params(self.flat_groups, self.comm, sharded=self.policy.shard_parameters)
         if self.policy.shard_parameters and "stage3_max_reuse_distance" in self.zero_config.model_fields_set:
             warnings.warn("zerodp stage 3 releases a unit after every use; "
@@ -221,10 +238,55 @@ class ZeroEngine(nn.Module):
                           partitions=partitions, rank=rank, device=self.device)
                 for i, (_, key, bucket) in enumerate(closed)]
 
+    def _adopt_replaced_params(self) -> None:
+        """Put the parameters that replaced meta-device ones into the modules (tied
+        parameters stay tied: every slot holding the old one gets the same new one)."""
+        new = {old: p for g in self.flat_groups for old, p in g.replaced.items()}
+        if not new:
+            return
+        for mod in self.module.modules():
+            for name, p in list(mod._parameters.items()):
+                if p is not None and id(p) in new:
+                    mod._parameters[name] = new[id(p)]
+
+    def _initialize_meta_units(self, param_init_fn) -> None:
+        """Give a model built on the meta device its values, one unit at a time, so that no
+        rank ever holds more than one unit's full parameters: materialize the unit, run
+        ``reset_parameters()`` (then ``param_init_fn``, if given) of each module that owns
+        parameters in it, seeded by (config seed, unit) so every rank computes the same
+        values, keep this rank's shard and free the rest."""
+        seed = self.config.seed or 0
+        devices = [self.device] if self.device.type == "cuda" else []
+        for unit in self.units:
+            groups = [g for g in unit.groups if g.replaced]
+            if not groups:
+                continue
+            mine = {id(p) for g in groups for p in g.params}
+            for g in groups:
+                g.materialize()
+            modules = [m for m in unit.module.modules()
+                       if any(id(p) in mine for p in m.parameters(recurse=False))]
+            with torch.random.fork_rng(devices=devices), torch.no_grad():
+                torch.manual_seed(seed + unit.index)
+                for m in modules:
+                    if not hasattr(m, "reset_parameters") and param_init_fn is None:
+                        raise ValueError(
+                            f"{type(m).__name__} has parameters on the meta device but no "
+                            "reset_parameters(); give it one or pass param_init_fn= to initialize")
+                    if hasattr(m, "reset_parameters"):
+                        m.reset_parameters()
+                    if param_init_fn is not None:
+                        param_init_fn(m)
+            self.prefetcher._note_peak()
+            for g in groups:
+                g.keep_own_shard()
+
     def _broadcast_initial_state(self) -> None:
-        """Start every rank from rank 0's parameters and buffers."""
+        """Start every rank from rank 0's parameters and buffers (parameters built on the
+        meta device are initialized identically on every rank instead)."""
         for g in self.flat_groups:
-            self.comm.broadcast(g.full)
+            if not g.replaced:
+                self.comm.broadcast(g.full)
         for b in self.module.buffers():
             self.comm.broadcast(b)
 

@@ -90,11 +90,17 @@ class FlatGroup:
         self.shard_lo = rank * self.shard_numel
         self.shard_hi = self.shard_lo + self.shard_numel
 
-        self.full: torch.Tensor = torch.zeros(self.padded_numel, dtype=self.dtype, device=device)
-        with torch.no_grad():
-            for slot, p in zip(self.slots, self.params):
-                self.full[slot.offset:slot.offset + slot.numel].copy_(p.detach().reshape(-1))
-        self.bind_params_to_full()
+        self._own_shard: Optional[torch.Tensor] = None  # stage 3: this rank's persistent shard
+        self._pending = None  # a stage-3 all-gather in flight (prefetch)
+        self.replaced: dict[int, nn.Parameter] = {}
+        if any(p.is_meta for p in self.params):
+            self._adopt_meta_params()
+        else:
+            self.full: torch.Tensor = torch.zeros(self.padded_numel, dtype=self.dtype, device=device)
+            with torch.no_grad():
+                for slot, p in zip(self.slots, self.params):
+                    self.full[slot.offset:slot.offset + slot.numel].copy_(p.detach().reshape(-1))
+            self.bind_params_to_full()
 
         self.pieces: list[Piece] = []
         for i, slot in enumerate(self.slots):
@@ -103,11 +109,36 @@ class FlatGroup:
             if lo < hi:
                 self.pieces.append(Piece(i, lo - self.shard_lo, hi - self.shard_lo, lo - slot.offset))
 
-        self._own_shard: Optional[torch.Tensor] = None
-        self._pending = None  # a stage-3 all-gather in flight (prefetch)
         self.grad_full: Optional[torch.Tensor] = None
         self.grad_shard: Optional[torch.Tensor] = None
         self.piece_params: list[nn.Parameter] = []
+
+    def _adopt_meta_params(self) -> None:
+        """Parameters built on the meta device hold no data: replace them by parameters that
+        are views of a full buffer which is never filled here (its storage is freed at once,
+        so no rank holds the whole model); ``self.replaced`` maps old ids to the new
+        parameters, and the values come from ``initialize_from`` (stage 3 only)."""
+        if not all(p.is_meta for p in self.params):
+            raise ValueError(f"flat group {self.index} mixes parameters on the meta device with "
+                             "materialized ones; build the model all on the meta device or not at all")
+        self.full = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)  # untouched
+        new = [nn.Parameter(torch.empty(0, dtype=self.dtype, device=self.device),
+                            requires_grad=p.requires_grad) for p in self.params]
+        self.replaced = {id(old): p for old, p in zip(self.params, new)}
+        self.params = new
+        self.bind_params_to_full()  # .data views keep the parameters' own version counters
+        self.full.untyped_storage().resize_(0)
+        self._own_shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
+
+    def materialize(self) -> None:
+        """Allocate the full buffer with zeros for initialization (no communication)."""
+        self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
+        self.full.zero_()
+
+    def keep_own_shard(self) -> None:
+        """After initializing a materialized buffer: keep this rank's shard, free the rest."""
+        self._own_shard.copy_(self.shard_of(self.full))
+        self.release()
 
     # -- views ------------------------------------------------------------------------
 
