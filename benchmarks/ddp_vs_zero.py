@@ -1,11 +1,14 @@
-"""Step time and memory: plain DDP against zerodp stages 0, 1 and 2 on the example GPT.
+"""Step time and memory: plain DDP against zerodp stages 0-3 on the example GPT.
 
 Each (system, repetition) runs in a fresh set of processes (``torchrun``), so peak RSS is
 that system's own; the systems are interleaved within every repetition, so machine noise
 falls on all of them alike. The table reports, per world size and system, the median
 optimizer-step time over all repetitions, its ratio to DDP's, peak RSS per rank (max over
 ranks, median over repetitions), model-state bytes per rank, bytes communicated per step,
-and the loss after the run (every system must reach the same loss).
+and the loss after the run (every system must reach the same loss). Stage 3 runs with each
+GPT block as a unit, with prefetching (one 25 MiB bucket ahead) and without; its column
+"waiting for gathers" is the time per step spent blocked on all-gathers, and the share of it
+that prefetching removes is printed below the table.
 
     python benchmarks/ddp_vs_zero.py                     # world sizes 2 and 4, 3 repetitions
     python benchmarks/ddp_vs_zero.py --worlds 2 --reps 5 --model small --micro-batch 8
@@ -24,7 +27,7 @@ import subprocess
 import sys
 import time
 
-SYSTEMS = ["ddp", "zero0", "zero1", "zero2"]
+SYSTEMS = ["ddp", "zero0", "zero1", "zero2", "zero3", "zero3-noprefetch"]
 
 
 # ---------------------------------------------------------------------------- worker side
@@ -36,7 +39,7 @@ def _worker(args: argparse.Namespace) -> None:
     import zerodp
     from zerodp import accelerator
     from zerodp.comm import all_gather_numbers
-    from zerodp.examples.gpt import ByteCorpus, build_gpt
+    from zerodp.examples.gpt import Block, ByteCorpus, build_gpt
 
     accelerator.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -70,14 +73,16 @@ def _worker(args: argparse.Namespace) -> None:
                          for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
             return 2 * params + states  # params + grads (DDP keeps grads allocated) + moments
     else:
-        stage = int(args.system[-1])
+        stage = int(args.system[len("zero")])
+        prefetch = 0 if args.system.endswith("noprefetch") else bucket_elems
         config = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
                   "optimizer": {"type": "AdamW", "params": {**adamw, "betas": list(adamw["betas"])}},
                   "steps_per_print": 10**9,
                   "zero_optimization": {"stage": stage, "overlap_comm": True,
                                         "reduce_bucket_size": bucket_elems,
-                                        "allgather_bucket_size": bucket_elems}}
-        engine, _, _, _ = zerodp.initialize(model=model, config=config)
+                                        "allgather_bucket_size": bucket_elems,
+                                        "stage3_prefetch_bucket_size": prefetch}}
+        engine, _, _, _ = zerodp.initialize(model=model, config=config, unit_classes=(Block,))
 
         def train_step(x, y):
             _, loss = engine(x, y)
@@ -89,8 +94,9 @@ def _worker(args: argparse.Namespace) -> None:
         def model_state_bytes():
             return engine.memory_breakdown()["model_states"]
 
-    times, losses = [], []
+    times, losses, waits = [], [], []
     for i, (x, y) in enumerate(batches):
+        wait0 = engine.prefetcher.gather_wait_s if args.system.startswith("zero3") else 0.0
         x, y = x.to(device), y.to(device)
         accelerator.synchronize(device)
         t0 = time.perf_counter()
@@ -98,6 +104,8 @@ def _worker(args: argparse.Namespace) -> None:
         accelerator.synchronize(device)
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
+            if args.system.startswith("zero3"):
+                waits.append(engine.prefetcher.gather_wait_s - wait0)
         losses.append(loss.item())
     if comm_bytes is None:
         comm_bytes = engine.comm_stats()["total"]
@@ -107,7 +115,8 @@ def _worker(args: argparse.Namespace) -> None:
     rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     row = {"rank": rank, "step_s": statistics.median(times), "rss_mib": rss_kib / 1024,
            "model_state_mib": model_state_bytes() / 2**20, "comm_mib": comm_bytes / 2**20,
-           "final_loss": final.item() / world}
+           "final_loss": final.item() / world,
+           "gather_wait_s": statistics.median(waits) if waits else 0.0}
     rows = all_gather_numbers(row, device=device)
     if rank == 0:
         print("RESULT " + json.dumps(rows), flush=True)
@@ -130,28 +139,40 @@ def _launch(system: str, world: int, args: argparse.Namespace) -> list[dict]:
     raise RuntimeError(f"{system} at world {world} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
 
 
-def _table(results: dict, worlds: list[int]) -> str:
+def _table(results: dict, worlds: list[int], systems: list[str]) -> str:
+    hidden: list[str] = []
     lines = ["| world | system | step time (ms, median) | vs DDP | peak RSS / rank (MiB) | "
-             "model states / rank (MiB) | comm / step / rank (MiB) | final loss |",
-             "|---|---|---|---|---|---|---|---|"]
+             "model states / rank (MiB) | comm / step / rank (MiB) | waiting for gathers (ms/step) "
+             "| final loss |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for world in worlds:
         ddp_t = statistics.median(r["step_s"] for reps in results[(world, "ddp")] for r in reps)
-        for system in SYSTEMS:
+        for system in systems:
             reps = results[(world, system)]
             step = statistics.median(r["step_s"] for rows in reps for r in rows)
             rss = statistics.median(max(r["rss_mib"] for r in rows) for rows in reps)
             ms = max(r["model_state_mib"] for r in reps[0])
             comm = max(r["comm_mib"] for r in reps[0])
             loss = reps[-1][0]["final_loss"]
+            wait = statistics.median(max(r["gather_wait_s"] for r in rows) for rows in reps)
+            wait_text = f"{wait * 1e3:.1f}" if system.startswith("zero3") else "-"
             lines.append(f"| {world} | {system} | {step * 1e3:.1f} | {step / ddp_t:.3f} | {rss:.0f} | "
-                         f"{ms:.1f} | {comm:.1f} | {loss:.4f} |")
-    return "\n".join(lines)
+                         f"{ms:.1f} | {comm:.1f} | {wait_text} | {loss:.4f} |")
+        if {"zero3", "zero3-noprefetch"} <= set(systems):
+            on = statistics.median(max(r["gather_wait_s"] for r in rows) for rows in results[(world, "zero3")])
+            off = statistics.median(max(r["gather_wait_s"] for r in rows)
+                                    for rows in results[(world, "zero3-noprefetch")])
+            hidden.append(f"world {world}: prefetching hides {100 * (1 - on / off):.0f}% of the time "
+                          f"stage 3 waits for all-gathers ({off * 1e3:.1f} -> {on * 1e3:.1f} ms per step)")
+    return "\n".join(lines) + ("\n\n" + "\n".join(hidden) if hidden else "")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--reps", type=int, default=3, help="repetitions of every system (interleaved)")
+    ap.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS,
+                    help="systems to run (ddp first: the ratios are to it)")
     ap.add_argument("--model", default="medium", help="example GPT preset (tiny, small, medium)")
     ap.add_argument("--steps", type=int, default=8, help="timed optimizer steps per run")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
@@ -166,15 +187,15 @@ def main() -> None:
     if args.worker:
         _worker(args)
         return
-    results: dict = {(w, s): [] for w in args.worlds for s in SYSTEMS}
+    results: dict = {(w, s): [] for w in args.worlds for s in args.systems}
     for rep in range(args.reps):
         for world in args.worlds:
-            for system in SYSTEMS:
+            for system in args.systems:
                 rows = _launch(system, world, args)
                 results[(world, system)].append(rows)
                 print(f"rep {rep + 1}/{args.reps} world {world} {system:6s} "
                       f"step {statistics.median(r['step_s'] for r in rows) * 1e3:8.1f} ms", flush=True)
-    table = _table(results, args.worlds)
+    table = _table(results, args.worlds, args.systems)
     print(f"\nmodel={args.model} micro_batch={args.micro_batch} steps={args.steps} reps={args.reps} "
           f"bucket={args.bucket_mb} MiB, CPU/gloo\n")
     print(table)

@@ -16,6 +16,7 @@ patched.
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
 
 import torch
@@ -35,6 +36,7 @@ class Unit:
                  comm: "Comm") -> None:
         self.index, self.name, self.module, self.groups, self.comm = index, name, module, groups, comm
         self.pending_backward = 0  # forward calls whose backward has not gone through yet
+        self.in_backward = False   # gathered for backward, until released after it
 
     @property
     def is_root(self) -> bool:
@@ -55,6 +57,13 @@ class Unit:
     def release(self) -> None:
         for g in self.groups:
             g.release()
+        self.in_backward = False
+
+
+def _inside_backward() -> bool:
+    """True while autograd runs a backward pass (e.g. activation checkpointing recomputes a
+    forward inside it)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 END_OF_FORWARD = -1
@@ -81,6 +90,7 @@ class Prefetcher:
         self._last_backward = -1
         self.rerecords = 0
         self.peak_gathered_bytes = 0
+        self.gather_wait_s = 0.0  # time spent waiting for units to arrive (exposed gathers)
 
     def start_forward(self) -> None:
         if self._stale:
@@ -111,9 +121,14 @@ class Prefetcher:
                 "the modules that may be skipped inside a unit that always runs "
                 "(raise stage3_param_persistence_threshold), or use stage 2.")
 
+    def _gather_now(self, unit: Unit) -> None:
+        t0 = time.perf_counter()
+        unit.gather()
+        self.gather_wait_s += time.perf_counter() - t0
+
     def before_forward(self, unit: Unit) -> None:
         self._check_same_unit_everywhere(unit.index)
-        unit.gather()
+        self._gather_now(unit)
         if self.order is None:
             self._recording.append(unit.index)
         elif self._valid:
@@ -127,7 +142,8 @@ class Prefetcher:
         self._note_peak()
 
     def before_backward(self, unit: Unit) -> None:
-        unit.gather()
+        self._gather_now(unit)
+        unit.in_backward = True
         if unit.index != self._last_backward and self.order is not None and self._valid:
             self._last_backward = unit.index
             reverse = self.order[::-1]
@@ -249,6 +265,9 @@ def install_unit_hooks(unit: Unit, prefetcher: Prefetcher, backward_done: Callab
     requires grad: the engine then finishes the unit when backward ends)."""
 
     def pre_forward(module, args, kwargs):
+        if _inside_backward():  # a checkpointed forward recomputed during backward
+            unit.gather()
+            return None
         prefetcher.before_forward(unit)
         if not torch.is_grad_enabled():
             return None
@@ -271,6 +290,8 @@ def install_unit_hooks(unit: Unit, prefetcher: Prefetcher, backward_done: Callab
         return grad
 
     def post_forward(module, args, output):
+        if _inside_backward() or unit.in_backward:
+            return output  # recomputed for backward: the unit stays gathered until that ends
         if torch.is_grad_enabled():
             for t in _tensors_in(output):
                 if t.requires_grad:
