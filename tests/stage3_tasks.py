@@ -219,3 +219,34 @@ def meta_init_task(group) -> dict:
     held = mem["parameters"] + mem["gradients"] + mem["optimizer_states"] + mem["gathered_parameters_peak"]
     return {"full_bytes": full_bytes, "init_peak": init_peak, "unit_bytes": unit_bytes, "held": held,
             "losses": losses, "std": std, "ln": ln, "checksum": checksum, "tied": tied}
+
+
+class ReadsChildWeight(nn.Module):
+    """A parent that uses its child's weight directly, outside the child's forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(6, 6)
+        self.out = nn.Linear(6, 1)
+
+    def forward(self, x):
+        h = torch.tanh(self.inner(x))
+        h = h @ self.inner.weight              # read outside inner's forward
+        return self.out(h).pow(2).mean()
+
+
+def reads_child_weight_task(group, threshold: int) -> str:
+    rank = dist.get_rank(group)
+    torch.manual_seed(0)
+    cfg = _stage3_config(0)
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = threshold
+    engine, _, _, _ = zerodp.initialize(model=ReadsChildWeight(), config=cfg, process_group=group)
+    try:
+        for step in range(2):
+            engine.backward(engine(torch.randn(4, 6, generator=torch.Generator().manual_seed(rank + step))))
+            engine.step()
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        engine.destroy()
+    return "ok"

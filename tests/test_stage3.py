@@ -115,3 +115,12 @@ def test_model_built_on_meta_device_never_fully_held(pool):
         assert res["tied"]
         assert res["losses"][-1] < res["losses"][0] - 0.1  # it trains
     assert len({round(r["checksum"], 6) for r in results}) == 1  # every rank: the same model
+
+
+def test_parameter_read_outside_its_unit(pool):
+    """A parent reading a child unit's weight directly gets an error naming the cause and
+    the fix; with the fix (the child not a unit of its own) it trains."""
+    from stage3_tasks import reads_child_weight_task
+    errors = pool.run(reads_child_weight_task, 2, 1, timeout=60)
+    assert all("used while its unit was not gathered" in e and "unit_classes" in e for e in errors), errors
+    assert pool.run(reads_child_weight_task, 2, 10**6, timeout=60) == ["ok", "ok"]

@@ -62,6 +62,23 @@ def _grad_hook(engine: "ZeroEngine", t: int, i: int) -> Callable[[nn.Parameter],
     return hook
 
 
+@contextlib.contextmanager
+def _explain_released_parameters(stage3: bool):
+    """Turn torch's error for a parameter whose storage is released into one naming the cause."""
+    try:
+        yield
+    except RuntimeError as e:
+        text = str(e)
+        if stage3 and ("data is not allocated" in text or "for storage of size 0" in text):
+            raise RuntimeError(
+                "stage 3: a parameter was used while its unit was not gathered. A module read a "
+                "parameter of another unit outside that unit's forward (e.g. a parent using "
+                "child.weight directly). Make the reading module a unit that encloses the owner "
+                "(initialize(unit_classes=...)), or raise stage3_param_persistence_threshold so the "
+                "owner is not a unit of its own.") from e
+        raise
+
+
 def _unit_done_hook(engine: "ZeroEngine") -> Callable[[Unit], None]:
     """Called by a stage-3 unit's hooks once backward has gone through it (holds the engine weakly)."""
     ref = weakref.ref(engine)
@@ -355,7 +372,8 @@ class ZeroEngine(nn.Module):
             if self.units:  # stage 3: the root unit stays gathered until backward ends
                 self.units[0].gather()
                 self.prefetcher.start_forward()
-            out = self.module(*args, **kwargs)
+            with _explain_released_parameters(bool(self.units)):
+                out = self.module(*args, **kwargs)
             if self.units:
                 self.prefetcher.end_forward()
                 if not torch.is_grad_enabled():  # no backward follows: release prefetched units too
@@ -370,7 +388,7 @@ class ZeroEngine(nn.Module):
         self._reset_backward_state()
         self._reducing = not self._in_no_sync and (self.policy.reduce_every_micro_batch or boundary)
         scaled = loss / self._gas if self._gas > 1 else loss
-        with self._timed("backward"):
+        with self._timed("backward"), _explain_released_parameters(bool(self.units)):
             scaled.backward(retain_graph=retain_graph)
             if self._reducing:
                 self._finish_reduction()
