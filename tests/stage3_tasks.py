@@ -235,18 +235,38 @@ class ReadsChildWeight(nn.Module):
         return self.out(h).pow(2).mean()
 
 
-def reads_child_weight_task(group, threshold: int) -> str:
+def _reads_batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + rank))
+
+
+def reads_child_weight_reference(world: int, steps: int) -> dict:
+    torch.manual_seed(0)
+    model = ReadsChildWeight()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
+    for step in range(steps):
+        opt.zero_grad()
+        (sum(model(_reads_batch(step, r)) for r in range(world)) / world).backward()
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def reads_child_weight_task(group, threshold: int, register: bool = False, steps: int = 3):
+    """Returns the error text, or the trained parameters."""
     rank = dist.get_rank(group)
     torch.manual_seed(0)
-    cfg = _stage3_config(0)
+    model = ReadsChildWeight()
+    if register:
+        zerodp.register_external_parameter(model, model.inner.weight)
+    cfg = _stage3_config(10**6)
     cfg["zero_optimization"]["stage3_param_persistence_threshold"] = threshold
-    engine, _, _, _ = zerodp.initialize(model=ReadsChildWeight(), config=cfg, process_group=group)
+    engine, _, _, _ = zerodp.initialize(model=model, config=cfg, process_group=group)
     try:
-        for step in range(2):
-            engine.backward(engine(torch.randn(4, 6, generator=torch.Generator().manual_seed(rank + step))))
+        for step in range(steps):
+            engine.backward(engine(_reads_batch(step, rank)))
             engine.step()
+        with zerodp.GatheredParameters(list(engine.module.parameters())):
+            return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     except RuntimeError as e:
         return str(e)
     finally:
         engine.destroy()
-    return "ok"

@@ -21,9 +21,9 @@ import torch.distributed as dist
 from . import accelerator
 from .config import PRESETS, Config, ConfigError, load_config, resolve_batch_sizes
 from .engine import ZeroEngine
-from .fetch import GatheredParameters
+from .fetch import GatheredParameters, register_external_parameter
 
-__all__ = ["initialize", "GatheredParameters", "ZeroEngine", "Config", "ConfigError", "load_config", "PRESETS",
+__all__ = ["initialize", "GatheredParameters", "register_external_parameter", "ZeroEngine", "Config", "ConfigError", "load_config", "PRESETS",
            "resolve_batch_sizes"]
 __version__ = "0.1.0"
 

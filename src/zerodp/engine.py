@@ -38,7 +38,8 @@ from torch import nn
 from . import accelerator
 from .comm import Comm, Handle
 from .config import Config, ConfigError, resolve_batch_sizes
-from .fetch import Prefetcher, Unit, install_unit_hooks, plan_units, register_params
+from .fetch import (Prefetcher, Unit, external_users, initialize_meta_units, install_external_hooks,
+                    install_unit_hooks, plan_units, register_params)
 from .flat import FlatGroup
 from .memory import measure_model_states
 from .optim import build_scheduler, check_elementwise, optimizer_factory_from_config
@@ -73,9 +74,10 @@ def _explain_released_parameters(stage3: bool):
             raise RuntimeError(
                 "stage 3: a parameter was used while its unit was not gathered. A module read a "
                 "parameter of another unit outside that unit's forward (e.g. a parent using "
-                "child.weight directly). Make the reading module a unit that encloses the owner "
-                "(initialize(unit_classes=...)), or raise stage3_param_persistence_threshold so the "
-                "owner is not a unit of its own.") from e
+                "child.weight directly). Declare the use with "
+                "zerodp.register_external_parameter(reading_module, parameter), make the reading "
+                "module a unit that encloses the owner (initialize(unit_classes=...)), or raise "
+                "stage3_param_persistence_threshold so the owner is not a unit of its own.") from e
         raise
 
 
@@ -145,19 +147,7 @@ class ZeroEngine(nn.Module):
         self.units: list[Unit] = []
         self._unit_hooks = []
         if self.policy.shard_parameters:
-            for g in self.flat_groups:
-                if not g.shards_parameters:
-                    g.shard_parameters()
-            self.units = [Unit(u, name, mod, [g for g in self.flat_groups if g.unit == u], self.comm)
-                          for u, (name, mod) in enumerate(unit_plan)]
-            zc = self.zero_config
-            self.prefetcher = Prefetcher(self.units, zc.stage3_prefetch_bucket_size,
-                                         zc.stage3_max_live_parameters)
-            done = _unit_done_hook(self)
-            for unit in self.units[1:]:
-                self._unit_hooks += install_unit_hooks(unit, self.prefetcher, done)
-            if meta:
-                self._initialize_meta_units(param_init_fn)
+            self._setup_units(unit_plan, meta, param_init_fn)
         register_params(self.flat_groups, self.comm, sharded=self.policy.shard_parameters)
         if self.policy.shard_parameters and "stage3_max_reuse_distance" in self.zero_config.model_fields_set:
             warnings.warn("zerodp stage 3 releases a unit after every use; "
@@ -265,38 +255,32 @@ class ZeroEngine(nn.Module):
             for name, p in list(mod._parameters.items()):
                 if p is not None and id(p) in new:
                     mod._parameters[name] = new[id(p)]
+        for _, params in external_users(self.module):
+            params[:] = [new.get(id(p), p) for p in params]
 
-    def _initialize_meta_units(self, param_init_fn) -> None:
-        """Give a model built on the meta device its values, one unit at a time, so that no
-        rank ever holds more than one unit's full parameters: materialize the unit, run
-        ``reset_parameters()`` (then ``param_init_fn``, if given) of each module that owns
-        parameters in it, seeded by (config seed, unit) so every rank computes the same
-        values, keep this rank's shard and free the rest."""
-        seed = self.config.seed or 0
-        devices = [self.device] if self.device.type == "cuda" else []
-        for unit in self.units:
-            groups = [g for g in unit.groups if g.replaced]
-            if not groups:
-                continue
-            mine = {id(p) for g in groups for p in g.params}
-            for g in groups:
-                g.materialize()
-            modules = [m for m in unit.module.modules()
-                       if any(id(p) in mine for p in m.parameters(recurse=False))]
-            with torch.random.fork_rng(devices=devices), torch.no_grad():
-                torch.manual_seed(seed + unit.index)
-                for m in modules:
-                    if not hasattr(m, "reset_parameters") and param_init_fn is None:
-                        raise ValueError(
-                            f"{type(m).__name__} has parameters on the meta device but no "
-                            "reset_parameters(); give it one or pass param_init_fn= to initialize")
-                    if hasattr(m, "reset_parameters"):
-                        m.reset_parameters()
-                    if param_init_fn is not None:
-                        param_init_fn(m)
-            self.prefetcher._note_peak()
-            for g in groups:
-                g.keep_own_shard()
+    def _setup_units(self, unit_plan, meta: bool, param_init_fn) -> None:
+        """Stage 3: keep only shards, make the units and their hooks, and give a model built
+        on the meta device its values."""
+        for g in self.flat_groups:
+            if not g.shards_parameters:
+                g.shard_parameters()
+        self.units = [Unit(u, name, mod, [g for g in self.flat_groups if g.unit == u], self.comm)
+                      for u, (name, mod) in enumerate(unit_plan)]
+        zc = self.zero_config
+        self.prefetcher = Prefetcher(self.units, zc.stage3_prefetch_bucket_size,
+                                     zc.stage3_max_live_parameters)
+        done = _unit_done_hook(self)
+        for unit in self.units[1:]:
+            self._unit_hooks += install_unit_hooks(unit, self.prefetcher, done)
+        unit_of_param = {id(p): self.units[g.unit] for g in self.flat_groups for p in g.params}
+        for module, params in external_users(self.module):
+            owners = {id(u): u for p in params if (u := unit_of_param.get(id(p))) is not None
+                      and not u.is_root}
+            if owners:
+                self._unit_hooks += install_external_hooks(module, list(owners.values()), self.prefetcher)
+        if meta:
+            initialize_meta_units(self.units, self.config.seed or 0, self.device, param_init_fn,
+                                  self.prefetcher)
 
     def _broadcast_initial_state(self) -> None:
         """Start every rank from rank 0's parameters and buffers (parameters built on the

@@ -37,6 +37,7 @@ class Unit:
         self.index, self.name, self.module, self.groups, self.comm = index, name, module, groups, comm
         self.pending_backward = 0  # forward calls whose backward has not gone through yet
         self.in_backward = False   # gathered for backward, until released after it
+        self.pins = 0              # forwards of modules using this unit's parameters externally
 
     @property
     def is_root(self) -> bool:
@@ -296,11 +297,100 @@ def install_unit_hooks(unit: Unit, prefetcher: Prefetcher, backward_done: Callab
             for t in _tensors_in(output):
                 if t.requires_grad:
                     t.register_hook(regather)
-        unit.release()
+        if unit.pins == 0:
+            unit.release()
         return output
 
     return [unit.module.register_forward_pre_hook(pre_forward, with_kwargs=True),
             unit.module.register_forward_hook(post_forward)]
+
+
+def initialize_meta_units(units: list[Unit], seed: int, device: torch.device,
+                          param_init_fn: Optional[Callable[[nn.Module], None]],
+                          prefetcher: Optional["Prefetcher"] = None) -> None:
+    """Give a model built on the meta device its values, one unit at a time, so that no rank
+    ever holds more than one unit's full parameters: materialize the unit, run
+    ``reset_parameters()`` (then ``param_init_fn``, if given) of each module that owns
+    parameters in it, seeded by (seed, unit) so every rank computes the same values, keep
+    this rank's shard and free the rest."""
+    devices = [device] if device.type == "cuda" else []
+    for unit in units:
+        groups = [g for g in unit.groups if g.replaced]
+        if not groups:
+            continue
+        mine = {id(p) for g in groups for p in g.params}
+        for g in groups:
+            g.materialize()
+        if prefetcher is not None:
+            prefetcher._note_peak()  # measured: what is allocated now
+        modules = [m for m in unit.module.modules()
+                   if any(id(p) in mine for p in m.parameters(recurse=False))]
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            torch.manual_seed(seed + unit.index)
+            for m in modules:
+                if not hasattr(m, "reset_parameters") and param_init_fn is None:
+                    raise ValueError(
+                        f"{type(m).__name__} has parameters on the meta device but no "
+                        "reset_parameters(); give it one or pass param_init_fn= to initialize")
+                if hasattr(m, "reset_parameters"):
+                    m.reset_parameters()
+                if param_init_fn is not None:
+                    param_init_fn(m)
+        for g in groups:
+            g.keep_own_shard()
+
+
+# -- parameters used outside their unit ----------------------------------------------------------
+
+_EXTERNAL_ATTR = "_zerodp_external_parameters"
+
+
+def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """Declare that ``module``'s forward uses ``parameter`` although another module owns it
+    (DeepSpeed's API of the same name), e.g. a parent that reads ``self.child.weight``.
+
+    At stage 3 the unit holding ``parameter`` is then gathered, and kept gathered, for the
+    whole forward of ``module``, and gathered again when backward reaches ``module``'s
+    outputs. Call it before or after ``zerodp.initialize``; at stages 0-2 it changes nothing.
+    """
+    registered = module.__dict__.setdefault(_EXTERNAL_ATTR, [])
+    if all(p is not parameter for p in registered):
+        registered.append(parameter)
+
+
+def external_users(model: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+    """Modules of ``model`` with parameters registered by ``register_external_parameter``."""
+    return [(m, m.__dict__[_EXTERNAL_ATTR]) for m in model.modules() if m.__dict__.get(_EXTERNAL_ATTR)]
+
+
+def install_external_hooks(module: nn.Module, units: list[Unit], prefetcher: Prefetcher) -> list:
+    """Keep ``units`` gathered around ``module``'s forward, and gather them again when
+    backward reaches its outputs."""
+
+    def pre_forward(mod, args):
+        for u in units:
+            u.pins += 1
+            prefetcher._gather_now(u)
+
+    def post_forward(mod, args, output):
+        for u in units:
+            u.pins -= 1
+        if _inside_backward():
+            return output
+        if torch.is_grad_enabled():
+            def regather(grad):
+                for u in units:
+                    prefetcher.before_backward(u)
+                return grad
+            for t in _tensors_in(output):
+                if t.requires_grad:
+                    t.register_hook(regather)
+        for u in units:
+            if u.pins == 0 and not u.in_backward:
+                u.release()
+        return output
+
+    return [module.register_forward_pre_hook(pre_forward), module.register_forward_hook(post_forward)]
 
 
 # -- GatheredParameters -----------------------------------------------------------------------
