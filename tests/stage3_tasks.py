@@ -99,11 +99,12 @@ def gated_train(group, steps: int) -> dict:
     return {"params": out, "units": units}
 
 
-def _stage3_config(prefetch: int, lr: float = 0.05) -> dict:
+def _stage3_config(prefetch: int, lr: float = 0.05, reuse: int = 0) -> dict:
     return {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 10**9,
             "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.01}},
             "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1,
-                                  "stage3_prefetch_bucket_size": prefetch, "overlap_comm": True}}
+                                  "stage3_prefetch_bucket_size": prefetch, "overlap_comm": True,
+                                  "stage3_max_reuse_distance": reuse}}
 
 
 def deep_net() -> nn.Module:
@@ -111,10 +112,12 @@ def deep_net() -> nn.Module:
     return nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(16, 16, bias=False), nn.Tanh())])
 
 
-def prefetch_task(group, prefetch: int) -> dict:
-    """Six equal units; returns the peak of gathered parameter bytes and the result."""
+def prefetch_task(group, prefetch: int, reuse: int = 0) -> dict:
+    """Six equal units; returns the peak of gathered parameter bytes, the traffic of the last
+    step and the result."""
     rank = dist.get_rank(group)
-    engine, _, _, _ = zerodp.initialize(model=deep_net(), config=_stage3_config(prefetch), process_group=group)
+    engine, _, _, _ = zerodp.initialize(model=deep_net(), config=_stage3_config(prefetch, reuse=reuse),
+                                        process_group=group)
     for step in range(3):
         x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank))
         engine.backward(engine(x).pow(2).mean())
@@ -125,7 +128,8 @@ def prefetch_task(group, prefetch: int) -> dict:
         params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     engine.destroy()
     return {"peak": mem["gathered_parameters_peak"], "unit_bytes": unit_bytes, "params": params,
-            "units": len(engine.units), "order": engine.prefetcher.order}
+            "units": len(engine.units), "order": engine.prefetcher.order,
+            "all_gather": engine.comm_stats()["all_gather"]}
 
 
 class Reorder(nn.Module):
@@ -197,7 +201,8 @@ def meta_init_task(group) -> dict:
     full_bytes = 4 * sum(p.numel() for p in model.parameters())
     cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
            "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
-           "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 0}}
+           "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 0,
+                                 "stage3_max_reuse_distance": 0}}
     engine, _, _, _ = zerodp.initialize(model=model, config=cfg, process_group=group,
                                         unit_classes=(Block,), param_init_fn=GPT._init_weights)
     init_peak = engine.memory_breakdown()["gathered_parameters_peak"]

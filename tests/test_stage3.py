@@ -76,6 +76,26 @@ def test_prefetch_bounds_live_parameters_and_keeps_numbers(pool):
         assert torch.equal(one[0]["params"][name], want), name
 
 
+def test_reuse_distance_keeps_units_gathered(pool):
+    """stage3_max_reuse_distance: a unit used again soon stays gathered after its forward.
+    With room for one other unit, only the last unit of forward is kept for backward (one
+    all-gather saved); with room for all, no unit is gathered again in backward. The
+    numbers stay the same."""
+    from stage3_tasks import prefetch_task
+    world = 2
+    unit_allgather = 256 * 4 * (world - 1) / world      # one 16x16 unit, fp32, ring count
+    none = pool.run(prefetch_task, world, 0, 0)
+    last = pool.run(prefetch_task, world, 0, 1)
+    all_ = pool.run(prefetch_task, world, 0, 10**6)
+    assert none[0]["all_gather"] == pytest.approx(12 * unit_allgather, abs=4)
+    assert last[0]["all_gather"] == pytest.approx(11 * unit_allgather, abs=4)
+    assert all_[0]["all_gather"] == pytest.approx(6 * unit_allgather, abs=4)
+    assert all_[0]["peak"] == 6 * all_[0]["unit_bytes"]
+    for res in (last, all_):
+        for name, want in none[0]["params"].items():
+            assert torch.equal(res[0]["params"][name], want), name
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_changed_unit_order_is_recorded_again(pool, world):
     """A forward that runs the units in another order stops the prefetch for that pass and

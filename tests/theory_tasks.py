@@ -22,7 +22,8 @@ def measure(group, stage: int, widths: list[int], gas: int = 1, steps: int = 2,
     cfg = {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": gas,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "steps_per_print": 10**9,
            "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "overlap_comm": True,
-                                 "stage3_param_persistence_threshold": 1}}
+                                 "stage3_param_persistence_threshold": 1,
+                                 "stage3_max_reuse_distance": 0}}
     engine, _, _, _ = zerodp.initialize(model=model, config=cfg, process_group=group)
     gen = torch.Generator().manual_seed(rank)
     for _ in range(steps * gas):

@@ -102,7 +102,7 @@ class ZeroConfig(_Section):
     stage3_max_live_parameters: _Positive = Field(
         1_000_000_000, description="Stage 3: prefetching stops where it would bring the gathered parameter elements on a rank above this (units being computed are always gathered).")
     stage3_max_reuse_distance: _NonNegative = Field(
-        1_000_000_000, description="Stage 3: keep a gathered parameter if reused within this many elements. Accepted, not used: zerodp releases a unit after each use (a warning says so when set).")
+        1_000_000_000, description="Stage 3: after its forward, a unit stays gathered when the recorded order uses it again (later in forward or in backward) before this many elements of other units are gathered, within stage3_max_live_parameters; 0 releases every unit after each use.")
     stage3_gather_16bit_weights_on_model_save: bool = Field(
         False, description="Stage 3: gather full weights when saving the model. Accepted; checkpoints are not implemented yet.")
     offload_optimizer: OffloadConfig | None = Field(

@@ -149,9 +149,6 @@ class ZeroEngine(nn.Module):
         if self.policy.shard_parameters:
             self._setup_units(unit_plan, meta, param_init_fn)
         register_params(self.flat_groups, self.comm, sharded=self.policy.shard_parameters)
-        if self.policy.shard_parameters and "stage3_max_reuse_distance" in self.zero_config.model_fields_set:
-            warnings.warn("zerodp stage 3 releases a unit after every use; "
-                          "zero_optimization.stage3_max_reuse_distance has no effect", UserWarning, stacklevel=3)
         for g in self.trainable:
             g.allocate_gradients(keep_full=not self.policy.shard_gradients)
 
@@ -268,7 +265,7 @@ class ZeroEngine(nn.Module):
                       for u, (name, mod) in enumerate(unit_plan)]
         zc = self.zero_config
         self.prefetcher = Prefetcher(self.units, zc.stage3_prefetch_bucket_size,
-                                     zc.stage3_max_live_parameters)
+                                     zc.stage3_max_live_parameters, zc.stage3_max_reuse_distance)
         done = _unit_done_hook(self)
         for unit in self.units[1:]:
             self._unit_hooks += install_unit_hooks(unit, self.prefetcher, done)

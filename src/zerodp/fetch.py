@@ -82,8 +82,10 @@ class Prefetcher:
     the collectives stay in the same order on every rank.
     """
 
-    def __init__(self, units: list[Unit], bucket_numel: int, max_live_numel: int) -> None:
+    def __init__(self, units: list[Unit], bucket_numel: int, max_live_numel: int,
+                 max_reuse_numel: int = 0) -> None:
         self.units, self.bucket_numel, self.max_live_numel = units, bucket_numel, max_live_numel
+        self.max_reuse_numel = max_reuse_numel
         self.order: Optional[list[int]] = None
         self._recording: list[int] = []
         self._pos = self._bpos = 0
@@ -153,6 +155,27 @@ class Prefetcher:
             self._bpos += 1
             self._prefetch(reverse[self._bpos:])
         self._note_peak()
+
+    def keep_after_forward(self, unit: Unit) -> bool:
+        """Whether ``unit`` should stay gathered after its forward: the recorded order says it
+        is used again (later in forward, or in backward) before more than
+        ``stage3_max_reuse_distance`` elements of other units are gathered, and keeping it
+        stays within ``stage3_max_live_parameters``."""
+        if self.order is None or not self._valid or self.max_reuse_numel <= 0:
+            return False
+        distance, seen = 0, set()
+        for index in self.order[self._pos:] + self.order[::-1]:
+            if index == unit.index:
+                break
+            if index not in seen:
+                seen.add(index)
+                distance += self.units[index].numel
+            if distance > self.max_reuse_numel:
+                return False
+        else:
+            return False
+        live = sum(g.padded_numel for u in self.units for g in u.groups if g.gathered)
+        return live <= self.max_live_numel
 
     def _prefetch(self, upcoming: list[int]) -> None:
         if self.bucket_numel <= 0:
@@ -297,7 +320,7 @@ def install_unit_hooks(unit: Unit, prefetcher: Prefetcher, backward_done: Callab
             for t in _tensors_in(output):
                 if t.requires_grad:
                     t.register_hook(regather)
-        if unit.pins == 0:
+        if unit.pins == 0 and not prefetcher.keep_after_forward(unit):
             unit.release()
         return output
 
