@@ -414,8 +414,9 @@ class ZeroEngine(nn.Module):
         if self._ready[t]:
             raise RuntimeError(
                 f"parameter {g.slots[i].name} received its gradient after its stage-3 unit finished "
-                "backward; a parameter read outside the module that owns it must be registered "
-                "in (or shared with) a module that encloses every use")
+                "backward: it is used outside its unit before the unit runs. Declare the use with "
+                "zerodp.register_external_parameter(module, parameter), or make a module that "
+                "encloses every use its unit (initialize(unit_classes=...))")
         self._seen[t][i] = True
         g.fold_param_grad_into(self._grad_buffer(t), i)
         if all(self._seen[t]) and not self.units:
@@ -455,17 +456,18 @@ class ZeroEngine(nn.Module):
             collective = self.comm.all_reduce_sum
         else:
             collective = self.comm.reduce_scatter_sum
-        then = None
-        if g.grad_full is None:  # stage 2: keep this rank's part of the bucket, free the rest
-            def then(g=g, buf=buf, t=t):
-                g.grad_shard.add_(g.shard_of(buf))
-                self._buckets.pop(t, None)
+        if g.grad_full is not None:  # stages 0-1: the full buffer stays, reduced in place
+            self._handles.append(collective(buf, async_op=self.overlap_comm))
+            return
+
+        def then(g=g, buf=buf, t=t):  # stages 2-3: keep this rank's part of the bucket, free it
+            g.grad_shard.add_(g.shard_of(buf))
+            self._buckets.pop(t, None)
         self._handles.append(collective(buf, async_op=self.overlap_comm, then=then))
-        if g.grad_full is None:
-            # bound the stage-2 buckets alive at once: wait for the oldest beyond two in flight
-            pending = [h for h in self._handles if not h.done]
-            if len(pending) > MAX_BUCKETS_IN_FLIGHT:
-                pending[0].wait()
+        # bound the buckets alive at once: wait for the oldest beyond two in flight
+        pending = [h for h in self._handles if not h.done]
+        if len(pending) > MAX_BUCKETS_IN_FLIGHT:
+            pending[0].wait()
 
     def _finish_reduction(self) -> None:
         """Launch the groups autograd never completed (unused parameters), then wait for all."""
