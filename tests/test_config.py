@@ -212,22 +212,41 @@ def test_unknown_keys_warn_once_each_with_full_path():
     assert cfg.zero_optimization.stage == 0
 
 
-@pytest.mark.parametrize("config, path", [
-    ({"bf16": {"enabled": True}}, "bf16.enabled"),
-    ({"bfloat16": {"enabled": True}}, "bf16.enabled"),
-    ({"fp16": {"enabled": True, "loss_scale": 0}}, "fp16.enabled"),
-    ({"amp": {"enabled": True}}, "amp.enabled"),
+def test_apex_amp_rejected_with_the_alternative():
+    with pytest.raises(ConfigError) as info:
+        load_config({"amp": {"enabled": True}})
+    assert "amp.enabled" in str(info.value) and "bf16" in str(info.value)
+
+
+@pytest.mark.parametrize("config, dtype", [
+    ({}, "fp32"),
+    ({"bf16": {"enabled": True}}, "bf16"),
+    ({"bfloat16": {"enabled": True}}, "bf16"),
+    ({"fp16": {"enabled": True, "loss_scale": 0}}, "fp16"),
 ])
-def test_mixed_precision_rejected(config, path):
+def test_compute_dtype_from_precision_blocks(config, dtype):
+    assert load_config(config).compute_dtype == dtype
+
+
+@pytest.mark.parametrize("config, path", [
+    ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "config"),
+    ({"fp16": {"enabled": True, "min_loss_scale": 0}}, "fp16.min_loss_scale"),
+    ({"fp16": {"enabled": True, "loss_scale_window": 0}}, "fp16.loss_scale_window"),
+    ({"fp16": {"enabled": True, "hysteresis": 0}}, "fp16.hysteresis"),
+    ({"fp16": {"enabled": True, "loss_scale": -1}}, "fp16.loss_scale"),
+    ({"communication_data_type": "fp8"}, "communication_data_type"),
+    ({"data_types": {"grad_accum_dtype": "int8"}}, "data_types.grad_accum_dtype"),
+])
+def test_bad_precision_values_name_the_key(config, path):
     with pytest.raises(ConfigError) as info:
         load_config(config)
-    assert path in str(info.value) and "fp32" in str(info.value)
+    assert str(info.value).startswith(path)
 
 
 def test_disabled_precision_blocks_accepted():
     cfg = load_quietly({"bf16": {"enabled": False},
                         "fp16": {"enabled": False, "loss_scale": 0, "initial_scale_power": 12, "hysteresis": 2}})
-    assert cfg.fp16.initial_scale_power == 12
+    assert cfg.fp16.initial_scale_power == 12 and cfg.compute_dtype == "fp32"
 
 
 @pytest.mark.parametrize("key", ["offload_optimizer", "offload_param"])

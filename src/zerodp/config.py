@@ -2,7 +2,7 @@
 
 :func:`load_config` validates a DeepSpeed-style JSON config into a :class:`Config`. Problems raise
 :class:`ConfigError` naming the key path, the bad value and what is allowed. Unknown keys are ignored
-with one ``UserWarning`` each; keys that would change results if ignored (mixed precision, offload,
+with one ``UserWarning`` each; keys that would change results if ignored (Apex AMP, offload,
 gradient pre-scaling, ...) are rejected.
 """
 from __future__ import annotations
@@ -58,8 +58,8 @@ def _only(value: Any, why: str) -> AfterValidator:
 
 
 _NO_OFFLOAD = "offload is not available in this version of zerodp, and ignoring it would change memory behaviour"
-_FP32_ONLY = ("mixed precision is not available in this version of zerodp (fp32 only), "
-              "and ignoring it would change the numbers")
+_NO_AMP = ("Apex AMP is not supported; use \"bf16\": {\"enabled\": true} or \"fp16\": {\"enabled\": true}, "
+           "and ignoring it would change the numbers")
 _NO_GRAD_OP = "not implemented in zerodp, and ignoring it would change the gradients"
 
 _Stage = _int_type(allowed=(0, 1, 2, 3))
@@ -134,29 +134,48 @@ class SchedulerConfig(_Section):
 
 
 class BF16Config(_Section):
-    """The ``bf16`` block; only ``enabled: false`` is supported."""
+    """The ``bf16`` block: bfloat16 compute with fp32 master weights."""
 
-    enabled: Annotated[bool, _only(False, _FP32_ONLY)] = Field(False, description="bfloat16; must be false.")
+    enabled: bool = Field(False, description="Run forward, backward and gradient communication in bfloat16; "
+                                            "each rank keeps fp32 master weights and fp32 optimizer states for its shard.")
 
 
 class FP16Config(_Section):
-    """The ``fp16`` block; only ``enabled: false`` is supported (loss-scale keys are stored)."""
+    """The ``fp16`` block: float16 compute with fp32 master weights and loss scaling."""
 
-    enabled: Annotated[bool, _only(False, _FP32_ONLY)] = Field(False, description="float16; must be false.")
-    auto_cast: bool = Field(False, description="Stored for compatibility.")
-    loss_scale: float = Field(0.0, description="Stored for compatibility (0 = dynamic).")
-    initial_scale_power: int = Field(16, description="Stored for compatibility.")
-    loss_scale_window: int = Field(1000, description="Stored for compatibility.")
-    hysteresis: int = Field(2, description="Stored for compatibility.")
-    consecutive_hysteresis: bool = Field(False, description="Stored for compatibility.")
-    min_loss_scale: float = Field(1.0, description="Stored for compatibility.")
+    enabled: bool = Field(False, description="Run forward, backward and gradient communication in float16, "
+                                            "with fp32 master weights and loss scaling.")
+    auto_cast: bool = Field(False, description="Accepted for compatibility: zerodp always casts floating-point "
+                                              "tensor inputs of engine(...) to the compute dtype.")
+    loss_scale: float = Field(0.0, ge=0.0, allow_inf_nan=False,
+                              description="Static loss scale; 0 means dynamic loss scaling.")
+    initial_scale_power: _NonNegative = Field(16, description="Dynamic scaling starts at 2**initial_scale_power.")
+    loss_scale_window: _Positive = Field(1000, description="Dynamic scaling doubles the scale after this many "
+                                                         "consecutive steps without overflow.")
+    hysteresis: _Positive = Field(2, description="Dynamic scaling halves the scale at this many overflows "
+                                               "(the count restarts when the scale changes, or after every good "
+                                               "step with consecutive_hysteresis); each overflow skips its step.")
+    consecutive_hysteresis: bool = Field(False, description="Restore the hysteresis count after every step "
+                                                           "without overflow, not only when the scale rises.")
+    min_loss_scale: float = Field(1.0, gt=0.0, allow_inf_nan=False,
+                                  description="Lowest dynamic scale; an overflow at this scale raises an error "
+                                              "instead of skipping steps forever.")
+
+
+class DataTypesConfig(_Section):
+    """The ``data_types`` block."""
+
+    grad_accum_dtype: Literal["fp32", "fp16", "bf16"] | None = Field(
+        None, description='Dtype of the gradients kept between backward and step (accumulated over '
+                          'micro-batches): null means the compute dtype; "fp32" accumulates 16-bit '
+                          'gradients in fp32 (twice the gradient memory).')
 
 
 class AmpConfig(_Section):
     """The ``amp`` block; only ``enabled: false`` is supported."""
 
     warn_unknown_keys: ClassVar[bool] = False
-    enabled: Annotated[bool, _only(False, _FP32_ONLY)] = Field(False, description="Apex AMP; must be false.")
+    enabled: Annotated[bool, _only(False, _NO_AMP)] = Field(False, description="Apex AMP; must be false (use bf16 or fp16).")
 
 
 class Config(_Section):
@@ -177,8 +196,12 @@ class Config(_Section):
         None, description="Optimizer built by the engine; null if you pass your own.")
     scheduler: SchedulerConfig | None = Field(None, description="Learning-rate scheduler built by the engine.")
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig, description="ZeRO settings.")
-    bf16: BF16Config = Field(default_factory=BF16Config, description="bfloat16 settings (must stay disabled).")
-    fp16: FP16Config = Field(default_factory=FP16Config, description="float16 settings (must stay disabled).")
+    bf16: BF16Config = Field(default_factory=BF16Config, description="bfloat16 mixed precision.")
+    fp16: FP16Config = Field(default_factory=FP16Config, description="float16 mixed precision with loss scaling.")
+    communication_data_type: Literal["fp32", "fp16", "bf16"] | None = Field(
+        None, description="Dtype in which gradients are reduced across ranks; null means the dtype the "
+                          "gradients are kept in (the compute dtype unless data_types.grad_accum_dtype says otherwise).")
+    data_types: DataTypesConfig = Field(default_factory=DataTypesConfig, description="Gradient accumulation dtype.")
     amp: AmpConfig = Field(default_factory=AmpConfig, description="Apex AMP settings (must stay disabled).")
     gradient_predivide_factor: Annotated[float, _only(1.0, _NO_GRAD_OP)] = Field(
         1.0, description="Must be 1.0 (gradient pre-division is not implemented).")
@@ -196,6 +219,17 @@ class Config(_Section):
             data = dict(data)
             data["bf16"] = data.pop("bfloat16")
         return data
+
+    @model_validator(mode="after")
+    def _one_precision(self) -> "Config":
+        if self.bf16.enabled and self.fp16.enabled:
+            raise ValueError('allowed: at most one of "bf16.enabled" and "fp16.enabled"')
+        return self
+
+    @property
+    def compute_dtype(self) -> str:
+        """``"bf16"``, ``"fp16"`` or ``"fp32"``: the dtype of parameters in forward and backward."""
+        return "bf16" if self.bf16.enabled else "fp16" if self.fp16.enabled else "fp32"
 
     @model_validator(mode="after")
     def _warn_unknown(self) -> "Config":

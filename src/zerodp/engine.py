@@ -42,6 +42,7 @@ from .fetch import (Prefetcher, Unit, external_users, initialize_meta_units, ins
                     install_unit_hooks, plan_units, register_params)
 from .flat import FlatGroup
 from .memory import measure_model_states
+from .monitor import monitor_from_config
 from .optim import build_scheduler, check_elementwise, optimizer_factory_from_config
 from .stages import StagePolicy, policy_for
 
@@ -170,6 +171,7 @@ class ZeroEngine(nn.Module):
         self.peak_bucket_bytes = 0
         self._timings: dict[str, list[float]] = defaultdict(list)
         self._reset_backward_state()
+        self.monitor = monitor_from_config(config, self)
 
     # -- set-up -------------------------------------------------------------------------
 
@@ -366,6 +368,8 @@ class ZeroEngine(nn.Module):
         """Backpropagate ``loss`` (scaled by 1/gradient_accumulation_steps) and reduce
         gradients as the stage requires."""
         boundary = self.is_gradient_accumulation_boundary()
+        if self.monitor is not None:
+            self.monitor.on_backward(loss)
         self._reset_backward_state()
         self._reducing = not self._in_no_sync and (self.policy.reduce_every_micro_batch or boundary)
         scaled = loss / self._gas if self._gas > 1 else loss
@@ -511,6 +515,8 @@ class ZeroEngine(nn.Module):
         self.global_steps += 1
         self.comm.counter.close_step()
         self._reduced_for_boundary = False
+        if self.monitor is not None:
+            self.monitor.on_step(self)
         if self.global_steps % self.config.steps_per_print == 0 and self.comm.rank == 0:
             logger.info("step %d: lr=%s grad_norm=%.4g", self.global_steps,
                         [round(lr, 8) for lr in self.get_lr()], self._global_grad_norm)
@@ -575,6 +581,16 @@ class ZeroEngine(nn.Module):
     def get_global_grad_norm(self) -> Optional[float]:
         """L2 norm over all gradients of the last update, before clipping (None before the first)."""
         return self._global_grad_norm
+
+    @property
+    def loss_scale(self) -> float:
+        """The current fp16 loss scale (1.0 without loss scaling)."""
+        return 1.0
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped because fp16 gradients overflowed."""
+        return 0
 
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups]
