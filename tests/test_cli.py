@@ -121,7 +121,7 @@ def test_bad_preset_exits_2(capsys):
 @pytest.mark.parametrize("data, key", [
     ({"zero_optimization": {"stage": 7}}, "zero_optimization.stage"),
     ({"gradient_clipping": -1}, "gradient_clipping"),
-    ({"fp16": {"enabled": True}}, "fp16.enabled"),
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "fp16.enabled"),
     ("{not json", "not valid JSON"),
 ])
 def test_invalid_config_file_exits_2(tmp_path, capsys, data, key):

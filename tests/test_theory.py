@@ -61,6 +61,39 @@ def test_memory_and_comm_match_theory(pool, stage, world):
             assert comm["total"] == 0
 
 
+def expected_mixed_memory(stage: int, psi: int, n: int) -> dict:
+    """SPEC's mixed-precision accounting: 16-bit parameters 2, 16-bit gradients 2, fp32 master
+    4 and Adam moments 8 bytes per element: 16 Psi, 4 Psi + 12 Psi/N, 2 Psi + 14 Psi/N, 16 Psi/N."""
+    shard = psi // n
+    return {"parameters": 2 * (shard if stage >= 3 else psi),
+            "gradients": 2 * (shard if stage >= 2 else psi),
+            "master_weights": 4 * (shard if stage >= 1 else psi),
+            "optimizer_states": 8 * (shard if stage >= 1 else psi)}
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_mixed_precision_memory_and_comm_match_theory(pool, stage, world, precision):
+    """16-bit training: the ledger is (2 + 2 + 12) Psi split as SPEC says, and every
+    collective moves 16-bit gradients and parameters: half the fp32 bytes."""
+    results = pool.run(measure, world, stage, WIDTHS, precision=precision)
+    ring = (world - 1) / world
+    want = expected_mixed_memory(stage, PSI, world)
+    totals = {0: 16 * PSI, 1: 4 * PSI + 12 * PSI // world, 2: 2 * PSI + 14 * PSI // world,
+              3: 16 * PSI // world}
+    for rank, res in enumerate(results):
+        assert sum(p for _, p in res["layout"]) == PSI  # no padding at these sizes
+        mem = res["memory"]
+        for key, value in want.items():
+            assert mem[key] == value, f"rank {rank} {key}: {mem[key]} != {value}"
+        assert mem["model_states"] == totals[stage]
+        comm = res["comm"]
+        bulk = comm["all_reduce"] + comm["reduce_scatter"] + comm["all_gather"]
+        passes = 3 if stage == 3 else 2
+        assert bulk == pytest.approx(passes * 2 * PSI * ring, abs=4), f"rank {rank}: {comm}"
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_accumulation_traffic(pool, stage):
     """With 3 micro-batches per step, stages 0-1 still reduce once per step (gradients

@@ -15,8 +15,9 @@ def build_known_model(widths: list[int], seed: int = 0) -> nn.Module:
 
 
 def measure(group, stage: int, widths: list[int], gas: int = 1, steps: int = 2,
-            bucket: int = 500_000_000) -> dict:
-    """Train a bias-free MLP with AdamW; return the engine's ledger and byte counts."""
+            bucket: int = 500_000_000, precision: str = "fp32") -> dict:
+    """Train a bias-free MLP with AdamW (``precision``: fp32, bf16 or fp16); return the
+    engine's ledger and byte counts."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     model = build_known_model(widths)
     cfg = {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": gas,
@@ -24,12 +25,15 @@ def measure(group, stage: int, widths: list[int], gas: int = 1, steps: int = 2,
            "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "overlap_comm": True,
                                  "stage3_param_persistence_threshold": 1,
                                  "stage3_max_reuse_distance": 0}}
+    if precision != "fp32":  # a small fp16 loss scale: no overflow, so no skipped step
+        cfg[precision] = {"enabled": True, **({"initial_scale_power": 4} if precision == "fp16" else {})}
     engine, _, _, _ = zerodp.initialize(model=model, config=cfg, process_group=group)
     gen = torch.Generator().manual_seed(rank)
     for _ in range(steps * gas):
         x = torch.randn(3, widths[0], generator=gen)
         engine.backward(engine(x).pow(2).mean())
         engine.step()
+    assert engine.skipped_steps == 0
     out = {"memory": engine.memory_breakdown(), "comm": engine.comm_stats(),
            "layout": [(g.numel, g.padded_numel) for g in engine.flat_groups]}
     engine.destroy()

@@ -15,10 +15,15 @@ A gradient's journey (stage policy in ``stages.py``, collectives in ``comm.py``)
 4. When autograd returns, groups that never became ready (parameters unused in this
    step) are launched too, and all handles are awaited; stage 2 adds each reduced bucket
    shard into the persistent gradient shard and frees the bucket.
-5. ``step()`` at the boundary divides by the data-parallel size, all-reduces (one small
-   vector) the squared gradient norm and which parameters got a gradient on any rank,
-   clips, runs the optimizer on this rank's pieces, and all-gathers the updated shards
-   (stages 1-2).
+5. ``step()`` at the boundary divides by the data-parallel size (and the fp16 loss scale),
+   all-reduces (one small vector) the squared gradient norm and which parameters got a
+   gradient on any rank, skips the step on every rank if fp16 gradients overflowed on any,
+   clips, runs the optimizer on this rank's pieces, writes fp32 masters back into 16-bit
+   parameters, and all-gathers the updated shards (stages 1-2).
+
+Under mixed precision (``precision.py``) gradients are 16-bit in steps 1-4 (or fp32 with
+``data_types.grad_accum_dtype``), reduced in ``communication_data_type``, and turned into
+fp32 copies of this rank's shard only in step 5.
 """
 from __future__ import annotations
 
@@ -44,6 +49,7 @@ from .flat import FlatGroup
 from .memory import measure_model_states
 from .monitor import monitor_from_config
 from .optim import build_scheduler, check_elementwise, optimizer_factory_from_config
+from .precision import LossScaler, PrecisionPolicy
 from .stages import StagePolicy, policy_for
 
 logger = logging.getLogger("zerodp")
@@ -120,6 +126,11 @@ class ZeroEngine(nn.Module):
         (self._train_batch_size, self._micro_batch_size,
          self._gas) = resolve_batch_sizes(config, self.dp_world_size)
         self.device = accelerator.default_device()
+        self.precision = PrecisionPolicy.from_config(config)
+        self.precision.cast_model(model)
+        self.loss_scaler: Optional[LossScaler] = (LossScaler.from_config(config.fp16)
+                                                  if config.fp16.enabled else None)
+        self._skipped_steps = 0
         meta = any(p.is_meta for p in model.parameters())
         if meta and not self.policy.shard_parameters:
             raise ValueError("the model has parameters on the meta device; stages 0-2 keep full "
@@ -151,11 +162,13 @@ class ZeroEngine(nn.Module):
             self._setup_units(unit_plan, meta, param_init_fn)
         register_params(self.flat_groups, self.comm, sharded=self.policy.shard_parameters)
         for g in self.trainable:
-            g.allocate_gradients(keep_full=not self.policy.shard_gradients)
+            g.allocate_gradients(keep_full=not self.policy.shard_gradients,
+                                 dtype=self.precision.grad_dtype(g.dtype))
 
         pieces_by_group = [[] for _ in groups]
-        for g in self.trainable:
-            pieces_by_group[g.param_group].extend(g.make_piece_params(g.shard))
+        for g in self.trainable:  # 16-bit parameters: the optimizer updates fp32 masters
+            master = g.make_master() if g.dtype != torch.float32 and self.precision.mixed else g.shard
+            pieces_by_group[g.param_group].extend(g.make_piece_params(master))
         self.optimizer = self._build_optimizer(groups, pieces_by_group, optimizer)
         self.lr_scheduler = self._build_lr_scheduler(lr_scheduler)
 
@@ -355,6 +368,7 @@ class ZeroEngine(nn.Module):
             if self.units:  # stage 3: the root unit stays gathered until backward ends
                 self.units[0].gather()
                 self.prefetcher.start_forward()
+            args, kwargs = self.precision.cast_inputs((args, kwargs))
             with _explain_released_parameters(bool(self.units)):
                 out = self.module(*args, **kwargs)
             if self.units:
@@ -365,14 +379,16 @@ class ZeroEngine(nn.Module):
             return out
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
-        """Backpropagate ``loss`` (scaled by 1/gradient_accumulation_steps) and reduce
-        gradients as the stage requires."""
+        """Backpropagate ``loss`` (scaled by 1/gradient_accumulation_steps, and by the loss
+        scale under fp16) and reduce gradients as the stage requires; returns ``loss``."""
         boundary = self.is_gradient_accumulation_boundary()
         if self.monitor is not None:
             self.monitor.on_backward(loss)
         self._reset_backward_state()
         self._reducing = not self._in_no_sync and (self.policy.reduce_every_micro_batch or boundary)
         scaled = loss / self._gas if self._gas > 1 else loss
+        if self.loss_scaler is not None:  # in fp32, so a 16-bit loss times the scale cannot overflow
+            scaled = scaled.float() * self.loss_scaler.scale
         with self._timed("backward"), _explain_released_parameters(bool(self.units)):
             scaled.backward(retain_graph=retain_graph)
             if self._reducing:
@@ -398,7 +414,8 @@ class ZeroEngine(nn.Module):
         if g.grad_full is not None:
             return g.grad_full
         if t not in self._buckets:
-            self._buckets[t] = torch.zeros(g.padded_numel, dtype=g.dtype, device=g.device)
+            dtype = self.precision.comm_dtype(g.grad_shard.dtype)
+            self._buckets[t] = torch.zeros(g.padded_numel, dtype=dtype, device=g.device)
             live = sum(b.numel() * b.element_size() for b in self._buckets.values())
             self.peak_bucket_bytes = max(self.peak_bucket_bytes, live)
         return self._buckets[t]
@@ -461,7 +478,13 @@ class ZeroEngine(nn.Module):
         else:
             collective = self.comm.reduce_scatter_sum
         if g.grad_full is not None:  # stages 0-1: the full buffer stays, reduced in place
-            self._handles.append(collective(buf, async_op=self.overlap_comm))
+            comm_dtype = self.precision.comm_dtype(buf.dtype)
+            if comm_dtype == buf.dtype:
+                self._handles.append(collective(buf, async_op=self.overlap_comm))
+            else:  # reduced in another dtype: through a temporary copy
+                tmp = buf.to(comm_dtype)
+                self._handles.append(collective(tmp, async_op=self.overlap_comm,
+                                                then=lambda g=g, tmp=tmp: g.grad_shard.copy_(g.shard_of(tmp))))
             return
 
         def then(g=g, buf=buf, t=t):  # stages 2-3: keep this rank's part of the bucket, free it
@@ -527,21 +550,30 @@ class ZeroEngine(nn.Module):
             self._timings.clear()
 
     def _apply_update(self) -> None:
-        inv_world = 1.0 / self.dp_world_size
-        for g in self.trainable:
-            if self.dp_world_size > 1:
-                g.grad_shard.mul_(inv_world)
-        norm, used = self._global_norm_and_usage()
+        grads = self._unscaled_fp32_grads()
+        norm, used = self._global_norm_and_usage(grads)
         self._global_grad_norm = norm
+        if self.loss_scaler is not None:
+            overflow = not math.isfinite(norm)
+            self.loss_scaler.update(overflow)  # raises at the minimum scale
+            if overflow:  # every rank saw the same norm: all skip this step together
+                self._skipped_steps += 1
+                if self.comm.rank == 0:
+                    logger.info("step %d: fp16 gradients overflowed; step skipped, loss scale now %g",
+                                self.global_steps + 1, self.loss_scaler.scale)
+                self.zero_grad()
+                return
         clip = self.config.gradient_clipping
         if clip > 0:
             coef = clip / (norm + 1e-6)
             if coef < 1.0:
-                for g in self.trainable:
-                    g.grad_shard.mul_(coef)
-        for g, u in zip(self.trainable, used):
-            g.attach_piece_grads(u)
+                for grad in grads:
+                    grad.mul_(coef)
+        for g, u, grad in zip(self.trainable, used, grads):
+            g.attach_piece_grads(u, grad)
         self.optimizer.step()
+        for g in self.trainable:
+            g.write_back_master()
         if self.policy.gather_after_step:
             handles = [self.comm.all_gather(g.full, async_op=True) for g in self.trainable]
             for h in handles:
@@ -550,13 +582,29 @@ class ZeroEngine(nn.Module):
             self.lr_scheduler.step()
         self.zero_grad()
 
-    def _global_norm_and_usage(self) -> tuple[float, list[list[bool]]]:
+    def _unscaled_fp32_grads(self) -> list[torch.Tensor]:
+        """Each group's reduced gradient shard divided by the data-parallel size (and the loss
+        scale): in place when the optimizer updates the parameter shard itself, else as an
+        fp32 copy for the fp32 master (freed after the step)."""
+        divisor = self.dp_world_size * (self.loss_scaler.scale if self.loss_scaler else 1.0)
+        grads = []
+        for g in self.trainable:
+            grad = g.grad_shard
+            if g.master is not None and grad.dtype != torch.float32:
+                grad = grad.to(torch.float32)
+            if divisor != 1.0:
+                grad.mul_(1.0 / divisor)
+            grads.append(grad)
+        return grads
+
+    def _global_norm_and_usage(self, grads: list[torch.Tensor]) -> tuple[float, list[list[bool]]]:
         """One small all-reduce: the squared L2 norm of all gradient shards and, per
-        parameter, whether any rank produced a gradient for it in this step."""
+        parameter, whether any rank produced a gradient for it in this step. The norm is
+        inf or NaN on every rank when any rank's gradients hold inf or NaN."""
         local = torch.zeros((), dtype=torch.float64, device=self.device)
         if self.policy.shard_optimizer or self.dp_rank == 0:
-            for g in self.trainable:
-                local += torch.linalg.vector_norm(g.grad_shard, dtype=torch.float32).double() ** 2
+            for grad in grads:
+                local += torch.linalg.vector_norm(grad, dtype=torch.float32).double() ** 2
         flags = [float(u) for used in self._used for u in used]
         vec = torch.cat([local.reshape(1), torch.tensor(flags, dtype=torch.float64, device=self.device)])
         self.comm.all_reduce_sum(vec, kind="control")
@@ -585,12 +633,12 @@ class ZeroEngine(nn.Module):
     @property
     def loss_scale(self) -> float:
         """The current fp16 loss scale (1.0 without loss scaling)."""
-        return 1.0
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
 
     @property
     def skipped_steps(self) -> int:
         """Optimizer steps skipped because fp16 gradients overflowed."""
-        return 0
+        return self._skipped_steps
 
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups]

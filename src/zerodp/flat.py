@@ -12,6 +12,8 @@ The group also keeps, as the stage policy decides (see ``stages.py``):
   parameters' ``.grad``;
 * ``grad_shard``: this rank's gradient shard (a view into ``grad_full`` at stages 0-1,
   its own buffer at stage 2);
+* ``master``: under mixed precision, an fp32 copy of this rank's shard of the 16-bit
+  parameters, which the optimizer updates (``None`` in fp32 training);
 * ``pieces``: for each parameter that overlaps this rank's shard, a leaf tensor that
   aliases that part of the shard. The optimizer sees these, so each parameter keeps its
   own optimizer state and step count, exactly as an unsharded optimizer would.
@@ -111,6 +113,7 @@ class FlatGroup:
 
         self.grad_full: Optional[torch.Tensor] = None
         self.grad_shard: Optional[torch.Tensor] = None
+        self.master: Optional[torch.Tensor] = None  # fp32 copy of the shard (mixed precision)
         self.piece_params: list[nn.Parameter] = []
 
     def _adopt_meta_params(self) -> None:
@@ -207,23 +210,32 @@ class FlatGroup:
 
     # -- gradients --------------------------------------------------------------------
 
-    def allocate_gradients(self, keep_full: bool) -> None:
-        """Allocate gradient storage: a full buffer whose views are ``p.grad`` (stages 0-1),
-        or only this rank's shard (stage 2)."""
+    def allocate_gradients(self, keep_full: bool, dtype: Optional[torch.dtype] = None) -> None:
+        """Allocate gradient storage in ``dtype`` (default: the parameters'): a full buffer
+        whose views are ``p.grad`` (stages 0-1; views only where the dtypes match, as torch
+        requires), or only this rank's shard (stages 2-3)."""
+        dtype = dtype or self.dtype
         if keep_full:
-            self.grad_full = torch.zeros_like(self.full)
+            self.grad_full = torch.zeros(self.padded_numel, dtype=dtype, device=self.device)
             self.grad_shard = self.shard_of(self.grad_full)
-            for i, p in enumerate(self.params):
-                p.grad = self.view(self.grad_full, i)
+            self._bind_grads_to_full()
         else:
-            self.grad_shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
+            self.grad_shard = torch.zeros(self.shard_numel, dtype=dtype, device=self.device)
+
+    def _bind_grads_to_full(self) -> None:
+        """Make every ``p.grad`` a view of ``grad_full`` so autograd accumulates into it (when
+        gradients are kept in another dtype, ``p.grad`` is folded in and dropped instead)."""
+        same = self.grad_full.dtype == self.dtype
+        for i, p in enumerate(self.params):
+            if not same:
+                p.grad = None
+            elif p.grad is None or p.grad.data_ptr() != self.view(self.grad_full, i).data_ptr():
+                p.grad = self.view(self.grad_full, i)
 
     def zero_gradients(self) -> None:
         if self.grad_full is not None:
             self.grad_full.zero_()
-            for i, p in enumerate(self.params):
-                if p.grad is None or p.grad.data_ptr() != self.view(self.grad_full, i).data_ptr():
-                    p.grad = self.view(self.grad_full, i)
+            self._bind_grads_to_full()
         else:
             self.grad_shard.zero_()
             for p in self.params:
@@ -233,14 +245,33 @@ class FlatGroup:
         """Move ``params[slot].grad`` into ``buffer`` (a full-size gradient buffer).
 
         Where ``.grad`` already is the view into ``buffer`` nothing moves; otherwise it is
-        added in and ``.grad`` becomes that view again (stages 0-1) or is dropped (stage 2).
+        added in (cast to the buffer's dtype) and ``.grad`` becomes that view again (stages
+        0-1, same dtype) or is dropped.
         """
         p = self.params[slot]
         target = self.view(buffer, slot)
         if p.grad is None or p.grad.data_ptr() == target.data_ptr():
             return
         target.add_(p.grad)
-        p.grad = target if buffer is self.grad_full else None
+        p.grad = target if buffer is self.grad_full and target.dtype == p.dtype else None
+
+    # -- fp32 master weights (mixed precision) -----------------------------------------
+
+    def make_master(self) -> torch.Tensor:
+        """An fp32 copy of this rank's shard, which the optimizer updates when the parameters
+        are 16-bit; ``write_back_master`` copies it into the parameter shard."""
+        self.master = self.shard.detach().to(torch.float32).clone()
+        return self.master
+
+    def write_back_master(self) -> None:
+        """Round the updated fp32 master into this rank's 16-bit parameter shard."""
+        if self.master is not None:
+            self.shard.copy_(self.master)
+
+    def refresh_master(self) -> None:
+        """Take the master from the parameter shard again (after parameters were overwritten)."""
+        if self.master is not None:
+            self.master.copy_(self.shard)
 
     # -- optimizer pieces ---------------------------------------------------------------
 
@@ -250,12 +281,13 @@ class FlatGroup:
                              for pc in self.pieces]
         return self.piece_params
 
-    def attach_piece_grads(self, used: list[bool]) -> None:
-        """Point each piece's ``.grad`` at its part of ``grad_shard``; ``None`` where the
-        parameter got no gradient on any rank (the optimizer then skips it, as unsharded
-        PyTorch does)."""
+    def attach_piece_grads(self, used: list[bool], grad: Optional[torch.Tensor] = None) -> None:
+        """Point each piece's ``.grad`` at its part of ``grad`` (default ``grad_shard``; an
+        fp32 copy under mixed precision); ``None`` where the parameter got no gradient on any
+        rank (the optimizer then skips it, as unsharded PyTorch does)."""
+        grad = self.grad_shard if grad is None else grad
         for pc, pp in zip(self.pieces, self.piece_params):
-            pp.grad = self.grad_shard[pc.shard_lo:pc.shard_hi] if used[pc.slot] else None
+            pp.grad = grad[pc.shard_lo:pc.shard_hi] if used[pc.slot] else None
 
     def index_entries(self) -> dict[str, dict]:
         """Parameter name -> where it lives: group, offset, numel, shape."""

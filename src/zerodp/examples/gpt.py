@@ -97,7 +97,7 @@ class GPT(nn.Module):
     """Decoder-only transformer language model.
 
     ``forward(idx, targets=None)`` returns ``(logits, loss)``: logits of shape
-    ``(B, T, vocab_size)`` and the mean cross-entropy against ``targets`` (or
+    ``(B, T, vocab_size)`` in the model's dtype and the mean cross-entropy, in fp32, against ``targets`` (or
     ``None`` when no targets are given).  With ``tie_weights`` the output
     projection shares its weight Parameter with the token embedding.
     """
@@ -144,8 +144,8 @@ class GPT(nn.Module):
             x = block(x)
         logits = self.lm_head(self.ln_f(x))
         loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+        if targets is not None:  # in fp32 even when the model runs in 16 bits
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
         return logits, loss
 
 
