@@ -191,22 +191,24 @@ def divergent_task(group) -> str:
     return "no error"
 
 
-def meta_init_task(group) -> dict:
+def meta_init_task(group, precision: str = "fp32") -> dict:
     """Build the example GPT on the meta device and train it at stage 3: no rank ever holds
-    more than its shards plus one unit's full parameters."""
+    more than its shards plus one unit's full parameters (``precision``: fp32 or bf16)."""
     from zerodp.examples.gpt import GPT, Block, build_gpt
     rank = dist.get_rank(group)
     with torch.device("meta"):
         model = build_gpt("small")
-    full_bytes = 4 * sum(p.numel() for p in model.parameters())
+    width = 2 if precision == "bf16" else 4
+    full_bytes = width * sum(p.numel() for p in model.parameters())
     cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
            "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
+           "bf16": {"enabled": precision == "bf16"},
            "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 0,
                                  "stage3_max_reuse_distance": 0}}
     engine, _, _, _ = zerodp.initialize(model=model, config=cfg, process_group=group,
                                         unit_classes=(Block,), param_init_fn=GPT._init_weights)
     init_peak = engine.memory_breakdown()["gathered_parameters_peak"]
-    unit_bytes = max(u.numel for u in engine.units) * 4
+    unit_bytes = max(u.numel for u in engine.units) * width
     x = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(rank))
     losses = []
     for _ in range(6):  # the same batch: the loss must fall
@@ -219,10 +221,12 @@ def meta_init_task(group) -> dict:
         std = engine.module.blocks[0].mlp.c_fc.weight.std().item()
         ln = engine.module.blocks[0].ln_1.weight.detach().clone()
         checksum = sum(p.double().sum().item() for p in engine.module.parameters())
+        dtypes = {str(p.dtype) for p in engine.module.parameters()}
         tied = engine.module.lm_head.weight is engine.module.wte.weight
     engine.destroy()
-    held = mem["parameters"] + mem["gradients"] + mem["optimizer_states"] + mem["gathered_parameters_peak"]
-    return {"full_bytes": full_bytes, "init_peak": init_peak, "unit_bytes": unit_bytes, "held": held,
+    held = (mem["parameters"] + mem["gradients"] + mem["optimizer_states"] + mem["master_weights"]
+            + mem["gathered_parameters_peak"])
+    return {"dtypes": dtypes, "master_bytes": mem["master_weights"], "full_bytes": full_bytes, "init_peak": init_peak, "unit_bytes": unit_bytes, "held": held,
             "losses": losses, "std": std, "ln": ln, "checksum": checksum, "tied": tied}
 
 

@@ -12,7 +12,7 @@ from zerodp import cli, train
 from zerodp.config import ConfigError
 
 TRAIN_OPTIONS = ["--nproc", "--preset", "--config", "--model", "--steps", "--micro-batch",
-                 "--grad-accum", "--lr", "--seed", "--eval-every", "--max-bytes", "--out"]
+                 "--grad-accum", "--lr", "--precision", "--seed", "--eval-every", "--max-bytes", "--out"]
 
 
 def parse_train(*argv):
@@ -83,6 +83,15 @@ def test_defaults_and_overrides():
     assert train.check_config(cfg, 4) == (24, 3, 2)
     assert cfg.optimizer.params["lr"] == 0.01
     assert cfg.optimizer.params["betas"] == [0.9, 0.95]  # the rest of the preset is kept
+
+
+@pytest.mark.parametrize("flag, dtype", [("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "fp32")])
+def test_precision_option_overrides_the_config(tmp_path, flag, dtype):
+    path = write_json(tmp_path / "c.json", {"bf16": {"enabled": True}, "fp16": {"initial_scale_power": 8}})
+    cfg = train.build_config(parse_train("--config", path, "--preset", "zero2", "--precision", flag))
+    assert cfg.compute_dtype == dtype
+    assert cfg.fp16.initial_scale_power == 8  # the rest of the block is kept
+    assert train.build_config(parse_train("--config", path, "--preset", "zero2")).compute_dtype == "bf16"
 
 
 def test_config_file_merged_over_preset(tmp_path):

@@ -121,15 +121,23 @@ def test_ranks_running_different_units_fail_clearly(pool, world):
     assert len(set(errors)) == 1
 
 
-def test_model_built_on_meta_device_never_fully_held(pool):
-    """A cap of 85% of the model's full fp32 size per rank: the model is built on the meta
-    device, each unit initialized in turn and sharded, and training stays under the cap."""
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_model_built_on_meta_device_never_fully_held(pool, precision):
+    """A cap of 85% of the model's full size per rank: the model is built on the meta
+    device, each unit initialized in turn and sharded, and training stays under the cap.
+    In bf16 the parameters are 16-bit and each rank's fp32 master is a quarter of the model."""
     from stage3_tasks import meta_init_task
-    results = pool.run(meta_init_task, 4, timeout=120)
+    results = pool.run(meta_init_task, 4, precision, timeout=180)
     for res in results:
         cap = 0.85 * res["full_bytes"]
         assert res["init_peak"] <= res["unit_bytes"] < cap
-        assert res["held"] < cap, (res["held"], cap)
+        assert res["held"] - res["master_bytes"] < cap, (res["held"], cap)
+        if precision == "bf16":
+            assert res["dtypes"] == {"torch.bfloat16"}
+            numel = res["full_bytes"] // 2
+            assert 4 * numel / 4 <= res["master_bytes"] < 4 * numel / 4 + 4096
+        else:
+            assert res["master_bytes"] == 0
         assert 0.015 < res["std"] < 0.025                   # GPT init: normal(0, 0.02)
         assert (res["ln"] - 1).abs().max() < 0.05          # LayerNorm reset to 1 (then trained)
         assert res["tied"]

@@ -178,6 +178,31 @@ class AmpConfig(_Section):
     enabled: Annotated[bool, _only(False, _NO_AMP)] = Field(False, description="Apex AMP; must be false (use bf16 or fp16).")
 
 
+class _MonitorBlock(_Section):
+    """Where a monitor writes: ``output_path/job_name``."""
+
+    output_path: str = Field("", description="Directory that holds the job's directory; empty means the current "
+                                            "working directory.")
+    job_name: str = Field("DeepSpeedJobName", description="Name of the run's directory inside output_path "
+                                                         "(DeepSpeed's default name).")
+
+
+class CSVMonitorConfig(_MonitorBlock):
+    """The ``csv_monitor`` block: per-step training metrics written to a CSV file by rank 0."""
+
+    enabled: bool = Field(False, description="Write one row of training metrics per optimizer step (loss, learning "
+                                            "rate, gradient norm, throughput, memory, communication) to "
+                                            "output_path/job_name/metrics.csv, on rank 0 only (see docs/metrics.md).")
+
+
+class TensorBoardConfig(_MonitorBlock):
+    """The ``tensorboard`` block: the same per-step metrics as TensorBoard scalars (rank 0)."""
+
+    enabled: bool = Field(False, description="Write the per-step metrics of csv_monitor as TensorBoard scalars to "
+                                            "output_path/job_name on rank 0; needs the tensorboard package "
+                                            "(pip install tensorboard).")
+
+
 class Config(_Section):
     """A whole zerodp config (DeepSpeed key names and defaults)."""
 
@@ -209,6 +234,10 @@ class Config(_Section):
         False, description="Must be false (gradient pre-scaling is not implemented).")
     sparse_gradients: Annotated[bool, _only(False, _NO_GRAD_OP)] = Field(
         False, description="Must be false (sparse gradients are not implemented).")
+    csv_monitor: CSVMonitorConfig = Field(default_factory=CSVMonitorConfig,
+                                          description="Per-step training metrics in a CSV file.")
+    tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig,
+                                           description="Per-step training metrics as TensorBoard scalars.")
 
     @model_validator(mode="before")
     @classmethod

@@ -696,7 +696,10 @@ class ZeroEngine(nn.Module):
     load_checkpoint = save_checkpoint
 
     def destroy(self) -> None:
-        """Remove the gradient hooks (the model stays usable as a plain module)."""
+        """Remove the gradient hooks and close the metrics files (the model stays usable as a
+        plain module)."""
         for h in self._hooks + self._unit_hooks:
             h.remove()
         self._hooks, self._unit_hooks = [], []
+        if self.monitor is not None:
+            self.monitor.close()

@@ -14,6 +14,11 @@ started by ``zerodp train``, which launches ``torch.distributed.run`` underneath
 5. gathers every rank's model-state memory and per-step communication and prints them as
    tables (rank 0), optionally writing ``summary.json``.
 
+With ``--metrics-dir DIR`` rank 0 also writes one row of metrics per step to
+``DIR/metrics.csv`` (the ``csv_monitor`` config block; ``--tensorboard`` adds TensorBoard
+scalars), with tokens per second counted from the model's context length;
+``zerodp plot DIR`` draws them.
+
 Rank 0 shows a progress bar (smoothed loss, learning rate, gradient norm, global tokens/s);
 the other ranks print nothing.
 """
@@ -34,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from . import accelerator, initialize
+from . import monitor as monitor_module
 from .comm import all_gather_numbers
 from .config import PRESETS, Config, ConfigError, load_config, resolve_batch_sizes
 from .examples.gpt import GPT_PRESETS, Block, ByteCorpus, build_gpt
@@ -114,6 +120,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           f"the config's value, else {DEFAULT_GRAD_ACCUM}). train_batch_size = "
                           "micro x accum x nproc; a train_batch_size in --config is honoured, "
                           "the missing factor derived from it")
+    cfg.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
+                     help="compute dtype: bf16 or fp16 run forward, backward and gradient "
+                          "communication in 16 bits with fp32 master weights (fp16 with dynamic "
+                          "loss scaling); sets the config's bf16/fp16 blocks (default: the "
+                          "config's, else fp32). On CPUs without 16-bit matrix units, 16-bit "
+                          "matmuls are much slower than fp32")
     cfg.add_argument("--lr", type=_positive_float, default=None,
                      help="learning rate (optimizer.params.lr; default: the lr set in --config, "
                           f"else {DEFAULT_LR:g})")
@@ -136,6 +148,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     job.add_argument("--out", metavar="DIR", default=None,
                      help="directory to write summary.json to (losses, memory and communication "
                           "tables); created if missing")
+    metrics = parser.add_argument_group("metrics")
+    metrics.add_argument("--metrics-dir", metavar="DIR", default=None,
+                         help="write one row of metrics per optimizer step (loss, learning rate, "
+                              "gradient norm, step time, samples/s and tokens/s, memory by "
+                              "category, bytes communicated) to DIR/metrics.csv on rank 0, for "
+                              "'zerodp plot DIR'; this enables the config's csv_monitor block with "
+                              "output_path = DIR's parent and job_name = DIR's name")
+    metrics.add_argument("--tensorboard", action="store_true",
+                         help="also write those metrics as TensorBoard scalars to the --metrics-dir "
+                              "directory (the config's tensorboard block; needs the tensorboard "
+                              "package: pip install tensorboard)")
 
 
 def to_argv(args: argparse.Namespace) -> list[str]:
@@ -148,7 +171,10 @@ def to_argv(args: argparse.Namespace) -> list[str]:
         if not action.option_strings or action.dest == "nproc":
             continue
         value = getattr(args, action.dest, None)
-        if value is None:
+        if value is None or value is False:
+            continue
+        if value is True:  # a flag
+            argv.append(action.option_strings[0])
             continue
         argv += [action.option_strings[0], repr(value) if isinstance(value, float) else str(value)]
     return argv
@@ -164,6 +190,8 @@ def check_args(args: argparse.Namespace, corpus: Optional[ByteCorpus] = None) ->
         val_len = math.ceil(args.max_bytes * 0.05)
         train_len = args.max_bytes - val_len
     need = 20 * (block + 1)
+    if getattr(args, "tensorboard", False) and not getattr(args, "metrics_dir", None):
+        raise UsageError("--tensorboard needs --metrics-dir DIR (the directory to write to)")
     if train_len <= block or (args.eval_every and val_len <= block):
         raise UsageError(f"--max-bytes {args.max_bytes} is too small for the {args.model} model's "
                          f"context of {block} bytes (each split must be longer than that); "
@@ -202,6 +230,17 @@ def build_config(args: argparse.Namespace) -> Config:
     if lr is not None and base.optimizer is not None:
         data["optimizer"] = dict(data.get("optimizer") or {})
         data["optimizer"]["params"] = dict(data["optimizer"].get("params") or {}, lr=lr)
+    precision = getattr(args, "precision", None)
+    if precision is not None:
+        data["bf16"] = dict(data.get("bf16") or {}, enabled=precision == "bf16")
+        data["fp16"] = dict(data.get("fp16") or {}, enabled=precision == "fp16")
+    metrics_dir = getattr(args, "metrics_dir", None)
+    if metrics_dir:  # DeepSpeed's run directory is output_path/job_name: make it DIR itself
+        where = Path(metrics_dir)
+        block = {"enabled": True, "output_path": str(where.parent), "job_name": where.name}
+        data["csv_monitor"] = dict(block)
+        if getattr(args, "tensorboard", False):
+            data["tensorboard"] = dict(block)
     return load_config(data)
 
 
@@ -218,6 +257,11 @@ def check_config(cfg: Config, world_size: int) -> tuple[int, int, int]:
     ranks, the ZeRO stage, the optimizer and scheduler blocks), raising :class:`ConfigError`.
     Returns ``(train_batch_size, micro_batch, accumulation_steps)``."""
     sizes = resolve_batch_sizes(cfg, world_size)
+    if cfg.tensorboard.enabled:
+        try:
+            monitor_module.require_tensorboard()
+        except ImportError as e:
+            raise ConfigError(str(e)) from None
     try:
         policy_for(cfg.zero_optimization.stage)
     except NotImplementedError as e:
@@ -309,6 +353,8 @@ def _train(args: argparse.Namespace, rank: int, world: int) -> int:
     corpus = ByteCorpus(max_bytes=args.max_bytes)
     check_args(args, corpus)
     engine, *_ = initialize(model=model, config=cfg, unit_classes=(Block,))  # stage-3 units
+    if engine.monitor is not None:
+        engine.monitor.tokens_per_sample = block  # every sample is one context of block bytes
     device = engine.device
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     seqs_per_step = micro * gas * world
@@ -323,6 +369,9 @@ def _train(args: argparse.Namespace, rank: int, world: int) -> int:
     say(f"  optimizer: {cfg.optimizer.type} lr {engine.get_lr()[0]:g}"
         f"{', scheduler ' + cfg.scheduler.type if cfg.scheduler else ''}"
         f"{f', clip {cfg.gradient_clipping:g}' if cfg.gradient_clipping else ''}")
+    say(f"  precision: {cfg.compute_dtype}" + ("" if cfg.compute_dtype == "fp32" else
+        " compute and communication, fp32 master weights"
+        + (" and dynamic loss scaling" if cfg.fp16.enabled and cfg.fp16.loss_scale == 0 else "")))
     say(f"  device: {device}, backend {backend}, {torch.get_num_threads()} threads per rank; "
         f"corpus {len(corpus) / MIB:.1f} MiB of Python source ({corpus.num_files} files)")
     sys.stdout.flush()
@@ -379,6 +428,8 @@ def _train(args: argparse.Namespace, rank: int, world: int) -> int:
     finally:
         if bar is not None:
             bar.close()
+        if engine.monitor is not None:
+            engine.monitor.close()
     elapsed = time.perf_counter() - start
 
     memory = [{k: int(v) for k, v in row.items()}
@@ -420,6 +471,9 @@ def _train(args: argparse.Namespace, rank: int, world: int) -> int:
         }
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
         print(f"summary: {out / 'summary.json'}")
+    if engine.monitor is not None and engine.monitor.csv_path is not None:
+        print(f"metrics: {engine.monitor.csv_path} (draw charts with: zerodp plot "
+              f"{engine.monitor.csv_path.parent})")
     return 0
 
 
