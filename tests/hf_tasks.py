@@ -7,7 +7,8 @@ grouped-query attention, untied embeddings). Dropout is off, so a run is determi
 
 A run is described by a picklable dict ``spec`` (defaults in ``DEFAULT_SPEC``):
 
-* ``model``: ``"gpt2"`` or ``"llama"``; ``stage``; ``steps``; ``gas``; ``clip``.
+* ``model``: ``"gpt2"`` or ``"llama"``; ``stage``; ``steps``; ``gas``; ``clip``;
+  ``precision``: ``"fp32"`` or ``"bf16"``.
 * ``threshold``: ``stage3_param_persistence_threshold``, which decides the stage-3 units
   (see ``zerodp.fetch.plan_units``). On the GPT-2: ``1`` makes every module with parameters
   of its own a unit (each LayerNorm, Conv1D and the position embedding; ``lm_head`` holds
@@ -35,7 +36,7 @@ import zerodp
 VOCAB, SEQ, MICRO = 64, 8, 2
 
 DEFAULT_SPEC = {"model": "gpt2", "stage": 3, "steps": 3, "gas": 2, "clip": 0.5, "threshold": 1,
-                "checkpointing": None}
+                "checkpointing": None, "precision": "fp32"}
 
 # A small lr and an eps above torch's default 1e-8 keep fp32 rounding differences from being
 # magnified by Adam: see the tolerance note in test_hf.py.
@@ -93,6 +94,7 @@ def make_config(spec: dict, world: int) -> dict:
             "gradient_clipping": spec["clip"], "steps_per_print": 10**9,
             "optimizer": {"type": "AdamW", "params": {k: list(v) if isinstance(v, tuple) else v
                                                       for k, v in ADAMW.items()}},
+            "bf16": {"enabled": spec["precision"] == "bf16"},
             "zero_optimization": {"stage": spec["stage"],
                                   "stage3_param_persistence_threshold": spec["threshold"]}}
 
@@ -126,7 +128,7 @@ def train_task(group, spec: dict) -> dict:
         enable_checkpointing(model)
     engine, _, _, _ = zerodp.initialize(model=model, config=make_config(spec, world),
                                         process_group=group)
-    norms, at_rest = [], []
+    norms, at_rest, losses = [], [], []
     early_stop = spec["checkpointing"] != "full_recompute"
     with torch.utils.checkpoint.set_checkpoint_early_stop(early_stop):
         for step in range(spec["steps"]):
@@ -135,11 +137,12 @@ def train_task(group, spec: dict) -> dict:
                 loss = engine(input_ids=x, labels=x).loss
                 engine.backward(loss)
                 engine.step()
+                losses.append(loss.item())
             norms.append(engine.get_global_grad_norm())
             at_rest.append(engine.memory_breakdown().get("gathered_parameters", 0))
     params = list(engine.module.parameters())
     with zerodp.GatheredParameters(params):
         final = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     engine.destroy()
-    return {"params": final, "norms": norms, "global_steps": engine.global_steps,
+    return {"params": final, "norms": norms, "losses": losses, "global_steps": engine.global_steps,
             "units": [u.name for u in engine.units], "gathered_at_rest": at_rest}

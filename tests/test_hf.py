@@ -104,3 +104,25 @@ def test_stage3_activation_checkpointing_full_recompute(pool):
     end, including the one whose backward asked for it."""
     run_and_compare(pool, 2, timeout=60, model="gpt2", stage=3, threshold=1,
                     checkpointing="full_recompute")
+
+
+@pytest.mark.parametrize("model", ["gpt2", "llama"])
+def test_bf16_stage3_follows_fp32(pool, model):
+    """bf16 at stage 3 with a real model (rotary and causal-mask buffers, tied or untied
+    head): parameters stay bf16, every micro-batch loss is within 1% of the fp32 run's, and
+    the bf16 parameters moved the way the fp32 ones did: their distance from the fp32 result
+    is a small fraction of how far training moved the fp32 parameters."""
+    import torch
+    from hf_tasks import build_model
+    init = dict(build_model(model).named_parameters())
+    fp32 = pool.run(train_task, 2, full_spec(model=model, steps=6, threshold=10_000))[0]
+    bf16 = pool.run(train_task, 2, full_spec(model=model, steps=6, threshold=10_000, precision="bf16"))[0]
+    assert {str(p.dtype) for p in bf16["params"].values()} == {"torch.bfloat16"}
+    worst = max(abs(a - b) / b for a, b in zip(bf16["losses"], fp32["losses"]))
+    assert worst < 0.01, f"bf16 losses stray {worst:.1%} from fp32"
+
+    def dist(a, b):
+        return torch.cat([(a[n].float() - b[n].float()).reshape(-1) for n in init]).norm().item()
+    moved = dist(fp32["params"], {n: p.detach() for n, p in init.items()})
+    apart = dist(bf16["params"], fp32["params"])
+    assert moved > 0.5 and apart < 0.1 * moved, (apart, moved)
