@@ -21,10 +21,11 @@ import torch.distributed as dist
 from . import accelerator
 from .config import PRESETS, Config, ConfigError, load_config, resolve_batch_sizes
 from .engine import ZeroEngine
+from .estimator import estimate
 from .fetch import GatheredParameters, register_external_parameter
 
 __all__ = ["initialize", "GatheredParameters", "register_external_parameter", "ZeroEngine", "Config", "ConfigError", "load_config", "PRESETS",
-           "resolve_batch_sizes"]
+           "resolve_batch_sizes", "estimate"]
 __version__ = "0.1.0"
 
 _log = logging.getLogger("zerodp")

@@ -157,6 +157,80 @@ def _kill_tree(pid: int) -> None:
         pass
 
 
+# -- zerodp plot ----------------------------------------------------------------------------
+
+def _plot_add_arguments(parser: argparse.ArgumentParser) -> None:
+    from . import plot
+    plot.add_arguments(parser)
+
+
+def _run_plot(args: argparse.Namespace) -> int:
+    from . import plot
+    return plot.run(args)
+
+
+# -- zerodp estimate ------------------------------------------------------------------------
+
+def _estimate_add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``zerodp estimate``; values are checked by ``zerodp.estimator`` so that bad
+    input gets a one-line message and exit code 2."""
+    from .estimator import ACCOUNTINGS, OPTIMIZERS, PRECISIONS
+    add = parser.add_argument
+    add("--model", required=True, help="a parameter count (8B, 7.5B, 350M, 125K), a transformers "
+        "config (config.json or its directory), or a factory 'module:function' (built on the meta "
+        "device, e.g. zerodp.examples.gpt:build_gpt)")
+    add("--model-kwargs", default=None, metavar="JSON",
+        help='keyword arguments for a factory, a JSON object (e.g. \'{"preset": "small"}\')')
+    add("--nodes", default="1", help="number of nodes (default 1)")
+    add("--ranks-per-node", "--gpus-per-node", dest="ranks_per_node", default="1",
+        help="data-parallel ranks (devices) per node (default 1)")
+    add("--device-memory", default=None, help="memory per device, e.g. 80GB or 24GiB; without it "
+        "nothing is checked for fit")
+    add("--cpu-memory", default=None, help="CPU memory per node for the offload rows, e.g. 512GB "
+        "(default: not checked)")
+    add("--precision", default="bf16", help=f"{', '.join(PRECISIONS)} (default bf16)")
+    add("--optimizer", default="adamw", help=f"{', '.join(OPTIMIZERS)} (default adamw)")
+    add("--accounting", default=None, help=f"{', '.join(ACCOUNTINGS)}: mixed = 16-bit params and "
+        "grads + fp32 master + fp32 optimizer states (the ZeRO paper's); no-master = without the "
+        "fp32 master copy; fp32 = fp32 training (default: mixed for bf16/fp16, fp32 for fp32)")
+    add("--micro-batch", default=None, help="micro-batch per rank for activations (default 1)")
+    add("--seq-len", default=None, help="sequence length for activations (default: the model's "
+        "context length)")
+    add("--checkpointing", action="store_true",
+        help="activation checkpointing: keep each layer's input, recompute one layer at a time")
+    add("--reduce-bucket-size", default=None, help="zero_optimization.reduce_bucket_size in "
+        "elements (default as in the config schema)")
+    add("--max-live-parameters", default=None, help="zero_optimization.stage3_max_live_parameters "
+        "in elements (default as in the config schema)")
+    add("--json", action="store_true", help="print a JSON document instead of the table")
+
+
+def _run_estimate(args: argparse.Namespace) -> int:
+    import json
+
+    from . import estimator
+    defaults = {}
+    if args.reduce_bucket_size is not None:
+        defaults["reduce_bucket_size"] = args.reduce_bucket_size
+    if args.max_live_parameters is not None:
+        defaults["max_live_parameters"] = args.max_live_parameters
+    try:
+        result = estimator.estimate(
+            args.model, model_kwargs=args.model_kwargs, nodes=args.nodes,
+            ranks_per_node=args.ranks_per_node, device_memory=args.device_memory,
+            cpu_memory=args.cpu_memory, precision=args.precision, optimizer=args.optimizer,
+            accounting=args.accounting, micro_batch=args.micro_batch, seq_len=args.seq_len,
+            checkpointing=args.checkpointing, **defaults)
+    except estimator.EstimateError as e:
+        _error(f"--{e.name.replace('_', '-')}: {e.detail}", "estimate")
+        return 2
+    try:
+        print(json.dumps(result.to_dict(), indent=2) if args.json else result.format(), flush=True)
+    except BrokenPipeError:  # the reader stopped early (e.g. piped into head): not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
+
 COMMANDS: dict[str, Command] = {
     "train": Command(
         help="train the example GPT with a ZeRO stage on N local processes",
@@ -169,6 +243,30 @@ COMMANDS: dict[str, Command] = {
             "validation loss."),
         add_arguments=_train_add_arguments,
         run=_run_train,
+    ),
+    "plot": Command(
+        help="draw charts (loss, learning rate, memory per stage) from runs' metrics CSV files",
+        description=(
+            "Draw PNG charts from the metrics.csv that the csv_monitor config block (or zerodp "
+            "train --metrics-dir) writes: loss and learning rate per step, memory by category "
+            "over the steps, and one stacked bar per run of the parameters, gradients, "
+            "optimizer states and master weights held per rank, labelled by ZeRO stage and "
+            "world size (e.g. zerodp plot runs/zero0 runs/zero1 runs/zero2 runs/zero3). "
+            "Needs matplotlib (pip install matplotlib)."),
+        add_arguments=_plot_add_arguments,
+        run=_run_plot,
+    ),
+    "estimate": Command(
+        help="estimate per-rank memory of ZeRO stages 0-3 and recommend one",
+        description=(
+            "Estimate the memory every rank holds at ZeRO stages 0-3, without and with offload to "
+            "CPU: parameters, gradients, fp32 master weights and optimizer states, gradient "
+            "buckets, stage-3 gathered parameters and, for known transformer shapes, activations. "
+            "Says which configurations fit the device memory and recommends the fastest that "
+            "does. The model is a parameter count, a transformers config or a factory, built on "
+            "the meta device (nothing is allocated)."),
+        add_arguments=_estimate_add_arguments,
+        run=_run_estimate,
     ),
 }
 
