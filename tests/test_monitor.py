@@ -303,3 +303,15 @@ def test_plot_errors_exit_2(tmp_path, capsys):
     (tmp_path / "metrics.csv").write_text("step,loss\n")
     assert cli.main(["plot", str(tmp_path)]) == 2
     assert "no optimizer step recorded" in capsys.readouterr().err
+
+
+def test_plot_estimates_follow_the_zero_accounting(tmp_path):
+    """zerodp plot draws the ZeRO accounting beside the measured bars: bf16 AdamW, 1000
+    parameters on 4 ranks at stage 2 is 2 + 2/4 + 4/4 + 8/4 bytes per parameter."""
+    from zerodp.plot import Run, estimates_for
+    info = {"zero_stage": 2, "world_size": 4, "compute_dtype": "bf16", "optimizer": "AdamW",
+            "trainable_parameters": 1000}
+    runs = [Run(tmp_path, tmp_path / "m.csv", info, []), Run(tmp_path, tmp_path / "m.csv", {}, [])]
+    est, missing = estimates_for(runs)
+    assert est == {"parameters": 2000, "gradients": 500, "master_weights": 1000, "optimizer_states": 2000}
+    assert missing is None

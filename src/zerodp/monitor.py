@@ -283,6 +283,8 @@ class TrainingMonitor:
             "micro_batch_size_per_gpu": engine.train_micro_batch_size_per_gpu(),
             "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
             "parameters": int(sum(getattr(g, "numel", 0) for g in groups)),
+            "trainable_parameters": int(sum(g.numel for g in groups if getattr(g, "trainable", False))),
+            "optimizer": type(engine.optimizer).__name__ if getattr(engine, "optimizer", None) else None,
             "compute_dtype": getattr(cfg, "compute_dtype", None),
             "device": str(engine.device),
             "memory_rank": 0,

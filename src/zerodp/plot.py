@@ -30,7 +30,7 @@ from typing import Any, Mapping, Optional, Sequence
 from .monitor import CSV_NAME, INFO_NAME
 
 __all__ = ["Run", "PlotError", "load_run", "plot_runs", "plot_loss_lr", "plot_memory_over_steps",
-           "plot_stage_memory", "draw_memory_bars", "add_arguments", "run", "BAR_CATEGORIES"]
+           "plot_stage_memory", "draw_memory_bars", "estimates_for", "add_arguments", "run", "BAR_CATEGORIES"]
 
 #: The model-state categories of the per-stage bars, bottom to top.
 BAR_CATEGORIES = ("parameters", "gradients", "optimizer_states", "master_weights")
@@ -334,6 +334,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "for several); created if missing")
 
 
+def estimates_for(runs: Sequence[Run]) -> list[Optional[dict[str, float]]]:
+    """The ZeRO accounting of each run's stage, world size, dtype, optimizer and trainable
+    parameter count (``zerodp.estimate``), for drawing beside the measured bars; None for a
+    run whose run_info lacks one of them or names an optimizer the estimator does not know."""
+    from .estimator import EstimateError, estimate
+    out: list[Optional[dict[str, float]]] = []
+    for r in runs:
+        info = r.info
+        needed = (info.get("trainable_parameters"), r.stage, r.world_size, info.get("compute_dtype"),
+                  info.get("optimizer"))
+        if any(v is None for v in needed) or not needed[0]:
+            out.append(None)
+            continue
+        try:
+            row = estimate(int(needed[0]), ranks_per_node=int(needed[2]), precision=needed[3],
+                           optimizer=str(needed[4]).lower()).row(int(needed[1]), "none")
+        except EstimateError:
+            out.append(None)
+            continue
+        out.append({k: float(getattr(row, k)) for k in BAR_CATEGORIES})
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``zerodp plot``; returns the exit code (2 for a usage problem or missing matplotlib)."""
     try:
@@ -349,7 +372,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         out_dir = Path(".")
     try:
-        written = plot_runs(args.runs, out_dir)
+        written = plot_runs(args.runs, out_dir, estimates_for([load_run(p) for p in args.runs]))
     except PlotError as e:
         print(f"zerodp plot: error: {e}", file=sys.stderr)
         return 2
