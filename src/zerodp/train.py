@@ -42,6 +42,7 @@ from . import accelerator, initialize
 from . import monitor as monitor_module
 from .comm import all_gather_numbers
 from .config import PRESETS, Config, ConfigError, load_config, resolve_batch_sizes
+from .estimator import compare_with_engine
 from .examples.gpt import GPT_PRESETS, Block, ByteCorpus, build_gpt
 from .optim import build_scheduler, check_elementwise, optimizer_factory_from_config
 from .stages import policy_for
@@ -434,6 +435,7 @@ def _train(args: argparse.Namespace, rank: int, world: int) -> int:
 
     memory = [{k: int(v) for k, v in row.items()}
               for row in all_gather_numbers(engine.memory_breakdown(), device=engine.device)]
+    estimated = {c.category: c.estimated for c in compare_with_engine(engine)}  # rank 0's share
     comm = [{k: int(v) for k, v in row.items()}
             for row in all_gather_numbers(engine.comm_stats(), device=engine.device)]
     if not main_rank:
@@ -444,6 +446,8 @@ def _train(args: argparse.Namespace, rank: int, world: int) -> int:
     final_val = val_losses[-1][1] if val_losses else None
     print()
     print(format_table("Model-state memory per rank (MiB)", MEMORY_COLUMNS, memory))
+    print("estimate for rank 0 (zerodp estimate's ZeRO accounting, no padding): " + ", ".join(
+        f"{c} {estimated[c] / MIB:.3f}" for c in MEMORY_COLUMNS if estimated.get(c) is not None))
     print()
     print(format_table(f"Communication per optimizer step, bytes sent per rank (MiB; "
                        f"ring-algorithm count, {gas} micro-batch{'es' if gas > 1 else ''})",
