@@ -42,7 +42,7 @@ from . import accelerator, initialize
 from . import monitor as monitor_module
 from .comm import all_gather_numbers
 from .config import PRESETS, Config, ConfigError, load_config, resolve_batch_sizes
-from .estimator import compare_with_engine
+from .memory_check import compare_with_engine
 from .examples.gpt import GPT_PRESETS, Block, ByteCorpus, build_gpt
 from .optim import build_scheduler, check_elementwise, optimizer_factory_from_config
 from .stages import policy_for
