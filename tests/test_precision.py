@@ -210,3 +210,16 @@ def test_overflow_at_minimum_scale_raises_on_every_rank(pool):
         assert res["error"] is not None and "LossScaleAtMinimumError" in res["error"]
         assert "min_loss_scale" in res["error"] and "bf16" in res["error"]
         assert [r["scale"] for r in res["rows"]] == [8, 4]  # 16 -> 8 -> 4, then the error
+
+
+def test_global_norm_is_accurate_for_large_flat_groups():
+    """The engine's sum of squares stays accurate on a 10M-element buffer, where a single fp32
+    vector_norm drifts (its error grows with the length)."""
+    from zerodp.engine import squared_l2
+    torch.manual_seed(0)
+    x = torch.randn(10_000_003)
+    exact = x.double().pow(2).sum().item()
+    assert abs(squared_l2(x).item() - exact) / exact < 2e-6
+    assert abs(squared_l2(x.to(torch.bfloat16)).item() - x.to(torch.bfloat16).double().pow(2).sum().item()) / exact < 2e-6
+    naive = torch.linalg.vector_norm(x, dtype=torch.float32).double().item() ** 2
+    assert abs(naive - exact) / exact > 2e-5  # why rows are needed (on this CPU kernel)

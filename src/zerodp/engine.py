@@ -58,6 +58,29 @@ logger = logging.getLogger("zerodp")
 MAX_BUCKETS_IN_FLIGHT = 2
 
 
+#: Elements per row when summing squares (see ``squared_l2``).
+NORM_ROW = 1 << 12
+
+
+def squared_l2(t: torch.Tensor) -> torch.Tensor:
+    """The sum of squares of a 1-D tensor as a float64 scalar, accurate at any length.
+
+    One fp32 ``vector_norm`` over millions of elements loses about 1e-4 relative on CPU
+    (its accumulation error grows with the length; 4e-4 at 10M elements measured here), so
+    the tensor is cut into rows of ``NORM_ROW`` elements whose fp32 norms are combined in
+    float64 (fp32: error ~1e-8 at 10M elements; bf16 tensors, upcast inside the kernel, ~1e-6).
+    """
+    n = t.numel()
+    whole = n // NORM_ROW * NORM_ROW
+    total = torch.zeros((), dtype=torch.float64, device=t.device)
+    if whole:
+        rows = torch.linalg.vector_norm(t[:whole].view(-1, NORM_ROW), dim=1, dtype=torch.float32)
+        total += rows.double().pow(2).sum()
+    if whole < n:
+        total += torch.linalg.vector_norm(t[whole:], dtype=torch.float32).double() ** 2
+    return total
+
+
 def _grad_hook(engine: "ZeroEngine", t: int, i: int) -> Callable[[nn.Parameter], None]:
     """The post-accumulate-grad hook of parameter ``i`` of trainable group ``t``. It holds
     the engine weakly, so a model outliving its engine does not keep the engine alive."""
@@ -604,7 +627,7 @@ class ZeroEngine(nn.Module):
         local = torch.zeros((), dtype=torch.float64, device=self.device)
         if self.policy.shard_optimizer or self.dp_rank == 0:
             for grad in grads:
-                local += torch.linalg.vector_norm(grad, dtype=torch.float32).double() ** 2
+                local += squared_l2(grad)
         flags = [float(u) for used in self._used for u in used]
         vec = torch.cat([local.reshape(1), torch.tensor(flags, dtype=torch.float64, device=self.device)])
         self.comm.all_reduce_sum(vec, kind="control")
