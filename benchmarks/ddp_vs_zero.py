@@ -22,11 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
-import subprocess
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
 
 SYSTEMS = ["ddp", "zero0", "zero1", "zero2", "zero3", "zero3-noprefetch"]
 
@@ -40,18 +41,16 @@ def _worker(args: argparse.Namespace) -> None:
     import zerodp
     from zerodp import accelerator
     from zerodp.comm import all_gather_numbers
-    from zerodp.examples.gpt import Block, ByteCorpus, build_gpt
+    from zerodp.examples import gpt
+    from zerodp.examples.gpt import Block, build_gpt
 
     accelerator.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     device = accelerator.default_device()
     torch.manual_seed(args.seed)
     model = build_gpt(args.model).to(device)
-    block = model.config.block_size
-    corpus = ByteCorpus(max_bytes=2_000_000)
-    gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
-    batches = [corpus.batch("train", args.micro_batch, block, generator=gen)
-               for _ in range(args.warmup + args.steps)]
+    batches = _common.make_batches(gpt, model.config.block_size, args.micro_batch,
+                                   args.warmup + args.steps, args.seed, rank)
     bucket_elems = int(args.bucket_mb * 2**20 / 4)
     adamw = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 
@@ -114,31 +113,27 @@ def _worker(args: argparse.Namespace) -> None:
     # mean of this step's per-rank losses = the global-batch loss
     final = torch.tensor(losses[-1], device=device)
     dist.all_reduce(final)
-    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    row = {"rank": rank, "step_s": statistics.median(times), "rss_mib": rss_kib / 1024,
+    row = {"rank": rank, "step_s": statistics.median(times), "rss_mib": _common.peak_rss_mib(),
            "model_state_mib": model_state_bytes() / 2**20, "comm_mib": comm_bytes / 2**20,
            "final_loss": final.item() / world,
            "gather_wait_s": statistics.median(waits) if waits else 0.0}
     rows = all_gather_numbers(row, device=device)
     if rank == 0:
-        print("RESULT " + json.dumps(rows), flush=True)
+        print(_common.RESULT_PREFIX + json.dumps(rows), flush=True)
     dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------- driver side
 
 def _launch(system: str, world: int, args: argparse.Namespace) -> list[dict]:
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536",
-               OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // world)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           os.path.abspath(__file__), "--worker", "--system", system, "--model", args.model,
+    cmd = ["--worker", "--system", system, "--model", args.model,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--micro-batch", str(args.micro_batch),
            "--bucket-mb", str(args.bucket_mb), "--seed", str(args.seed)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    raise RuntimeError(f"{system} at world {world} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    launch = _common.torchrun(__file__, world, cmd, _common.worker_env(world))
+    rows = launch.result()
+    if rows is None:
+        raise RuntimeError(f"{system} at world {world} failed (exit {launch.returncode}):\n{launch.stderr[-3000:]}")
+    return rows
 
 
 def _table(results: dict, worlds: list[int], systems: list[str]) -> str:

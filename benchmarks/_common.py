@@ -1,0 +1,166 @@
+"""Helpers shared by the benchmark scripts in this folder.
+
+Driver side: the environment every worker runs with, launching one run under ``torchrun``
+in a process group of its own (killed whole on a timeout), and reading the ``RESULT`` line
+rank 0 prints. Worker side: the example GPT loaded on its own (without importing the
+``zerodp`` package, so that peers' workers carry none of it), the per-rank batches, and
+resident-memory readings.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import resource
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from typing import Iterable, Optional
+
+RESULT_PREFIX = "RESULT "
+
+# ---------------------------------------------------------------------------- driver side
+
+
+def worker_env(world: int, extra: Optional[dict] = None) -> dict:
+    """Environment for a run's workers.
+
+    ``MALLOC_MMAP_THRESHOLD_`` makes glibc serve large allocations with mmap, so freed
+    memory goes back to the OS and peak RSS shows what a system really keeps; the cores are
+    split evenly between the ranks (one thread each on a 2-core machine).
+    """
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536",
+               OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // world)))
+    env.update(extra or {})
+    return env
+
+
+@dataclasses.dataclass
+class Launch:
+    """What one ``torchrun`` invocation left behind."""
+
+    returncode: Optional[int]  # None: killed after the timeout
+    stdout: str
+    stderr: str
+    seconds: float
+
+    def result(self):
+        """The JSON payload of the last ``RESULT`` line, or None."""
+        found = None
+        for line in self.stdout.splitlines():
+            if line.startswith(RESULT_PREFIX):
+                found = json.loads(line[len(RESULT_PREFIX):])
+        return found
+
+
+def torchrun(script: str, world: int, script_args: list[str], env: dict,
+             timeout: Optional[float] = None) -> Launch:
+    """Run ``script`` on ``world`` local ranks with ``python -m torch.distributed.run``.
+
+    The launcher gets a session (process group) of its own, so a run past ``timeout``
+    seconds is ended with all its workers.
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+           os.path.abspath(script), *script_args]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        code: Optional[int] = proc.returncode
+    except subprocess.TimeoutExpired:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=10)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        out, err = proc.communicate()
+        code = None
+    return Launch(code, out, err, time.perf_counter() - t0)
+
+
+def failure_reason(launch: Launch, limit: int = 160) -> str:
+    """One line saying why a run gave no result: a timeout, or the last error line a worker
+    printed (a traceback's last line names the exception)."""
+    if launch.returncode is None:
+        return f"timed out after {launch.seconds:.0f} s"
+    text = launch.stderr + "\n" + launch.stdout
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    # torchrun's own summary repeats the failure without its cause; prefer a worker's
+    # exception line ("SomeError: message", possibly behind a "[rank0]:" prefix)
+    for ln in reversed(lines):
+        bare = ln.split("]:", 1)[1].strip() if ln.startswith("[rank") and "]:" in ln else ln
+        head = bare.split(":", 1)[0]
+        if (head.endswith(("Error", "Exception", "Interrupt")) and " " not in head
+                and not head.endswith("ChildFailedError")):  # torchrun's own, not the cause
+            return bare[:limit]
+    return f"exit code {launch.returncode}" + (f": {lines[-1][:limit]}" if lines else "")
+
+
+# ---------------------------------------------------------------------------- statistics
+
+
+def median(values: Iterable[float]) -> Optional[float]:
+    """Median of the values that are not None; None when there are none."""
+    vals = [v for v in values if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+def ratio(value: Optional[float], reference: Optional[float]) -> Optional[float]:
+    """``value / reference``, or None when either is missing or the reference is 0."""
+    if value is None or not reference:
+        return None
+    return value / reference
+
+
+# ---------------------------------------------------------------------------- worker side
+
+
+def load_example_gpt():
+    """The module ``zerodp/examples/gpt.py``, loaded from its file without importing the
+    ``zerodp`` package (the file needs only torch)."""
+    name = "_benchmark_example_gpt"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.find_spec("zerodp")
+    if spec is None or spec.origin is None:
+        raise ImportError("zerodp is not installed: pip install -e .")
+    path = os.path.join(os.path.dirname(spec.origin), "examples", "gpt.py")
+    file_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(file_spec)
+    sys.modules[name] = module  # dataclasses look their module up while the file runs
+    file_spec.loader.exec_module(module)
+    return module
+
+
+def make_batches(gpt_module, block_size: int, micro_batch: int, count: int, seed: int, rank: int):
+    """``count`` (x, y) micro-batches for ``rank``: random windows of the standard library's
+    source (the first 2 MB), drawn from a generator seeded by ``seed`` and the rank, so every
+    system sees the same data in the same order on each rank."""
+    import torch
+
+    corpus = gpt_module.ByteCorpus(max_bytes=2_000_000)
+    gen = torch.Generator().manual_seed(seed * 1000 + rank)
+    return [corpus.batch("train", micro_batch, block_size, generator=gen) for _ in range(count)]
+
+
+def rss_now_mib() -> float:
+    """Resident set size of this process now (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        return 0.0
+
+
+def peak_rss_mib() -> float:
+    """Peak resident set size of this process so far."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

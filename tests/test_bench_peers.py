@@ -1,0 +1,86 @@
+"""benchmarks/peers.py: its pure helpers (fast), and one cheap end-to-end run (slow, not in
+the default selection: ``pytest -m slow tests/test_bench_peers.py``)."""
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+sys.path.insert(0, BENCH)
+
+import _common  # noqa: E402
+import peers  # noqa: E402
+
+
+def _run(system, world, step_s, loss, norm, rss=500.0, rep=0):
+    row = {"step_s": step_s, "peak_rss_mib": rss, "rss_ready_mib": 300.0, "comm_bytes_per_step": 2**20,
+           "socket_bytes_per_step": 2**21, "comm_calls_per_step": 3, "grad_norms": [norm, 1.0],
+           "losses": [5.0, loss]}
+    return peers.Run(system, world, rep, rows=[dict(row), dict(row)])
+
+
+def test_median_and_ratio_skip_missing_values():
+    assert _common.median([3.0, None, 1.0, 2.0]) == 2.0
+    assert _common.median([None]) is None
+    assert _common.ratio(3.0, 2.0) == 1.5
+    assert _common.ratio(None, 2.0) is None and _common.ratio(1.0, 0.0) is None
+
+
+def test_summary_ratios_medians_and_agreement():
+    runs = [_run("ddp", 2, 1.0, 3.1, 2.0, rep=0), _run("ddp", 2, 3.0, 3.1, 2.0, rep=1),
+            _run("ddp", 2, 2.0, 3.1, 2.0, rep=2),
+            _run("zero2", 2, 2.2, 3.1 + peers.LOSS_ATOL / 2, 2.0 * (1 + peers.GRAD_NORM_RTOL / 2)),
+            _run("fsdp2", 2, 2.4, 3.3, 4.0),                          # grads summed, not averaged
+            peers.Run("ds2", 2, 0, error="RuntimeError: boom")]
+    rows = peers.summarize(runs, [2], ["ddp", "zero2", "fsdp2", "ds2", "ds3"], {"ds3": "not installed: pip install deepspeed"})
+    by = {s.system: s for s in rows}
+    assert by["ddp"].step_s == 2.0 and by["ddp"].vs_ddp == 1.0 and by["ddp"].reps == 3
+    assert by["zero2"].vs_ddp == pytest.approx(1.1) and by["zero2"].ok and by["zero2"].note == ""
+    assert by["zero2"].comm_mib == 1.0 and by["zero2"].socket_mib == 2.0
+    assert not by["fsdp2"].ok and "grad norm" in by["fsdp2"].note and "final loss" in by["fsdp2"].note
+    assert by["ds2"].step_s is None and by["ds2"].note == "failed: RuntimeError: boom"
+    assert by["ds3"].note == "not installed: pip install deepspeed"
+
+    table = peers.format_table(rows).splitlines()
+    assert len(table) == 2 + 5 and table[0].startswith("| world | system | step (ms, median) | runs' range (ms) | vs DDP")
+    assert table[2].startswith("| 2 | ddp | 2000.0 | 1000-3000 | 1.00 | 500 | 300 | 1.0 | 2.0 | 3 |")
+    assert "**fsdp2** (!)" in table[4] and "DISAGREES" in table[4]
+    assert table[5].startswith("| 2 | ds2 | - | - | - |") and table[5].endswith("failed: RuntimeError: boom |")
+
+
+def test_failure_reason_names_the_worker_exception():
+    launch = _common.Launch(1, "", "Traceback (most recent call last):\n  File x\n"
+                            "[rank0]: ValueError: bad config\ntorch.distributed.elastic...ChildFailedError:\n"
+                            "worker failed", 3.0)
+    assert _common.failure_reason(launch) == "ValueError: bad config"
+    assert _common.failure_reason(_common.Launch(None, "", "", 12.0)) == "timed out after 12 s"
+
+
+def test_missing_peer_says_how_to_install(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(peers.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    assert peers._missing(peers.BY_NAME["ds3"]) == "not installed: pip install deepspeed"
+    assert peers._missing(peers.BY_NAME["ddp"]) is None
+
+
+@pytest.mark.slow
+def test_peers_end_to_end_cheap(tmp_path):
+    systems = ["ddp", "ddp-zro", "fsdp2", "zero1", "zero3"]
+    if importlib.util.find_spec("deepspeed") is not None:
+        systems.append("ds2")
+    md = tmp_path / "table.md"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(BENCH, "peers.py"), "--worlds", "2", "--reps", "1", "--model", "tiny",
+         "--steps", "2", "--warmup", "1", "--systems", *systems, "--out", str(tmp_path), "--markdown", str(md)],
+        capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "WARNING" not in proc.stdout and "FAILED" not in proc.stdout, proc.stdout
+    table = md.read_text()
+    for system in systems:
+        assert f"| 2 | {system} |" in table
+    assert (tmp_path / "peers.json").exists()
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "peers.png").stat().st_size > 0
