@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import zerodp
-from parity_model import ADAMW, batch, build_model, param_groups, use_branch
+from parity_model import ADAMW, batch, build_model, gathered_params, param_groups, use_branch
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -153,7 +153,6 @@ def train_mixed(group, stage: int, steps: int, dtype: str, gas: int = 1, clip: f
             engine.backward(loss)
             engine.step()
         norms.append(engine.get_global_grad_norm())
-    from parity_model import gathered_params
     result = {"masters": gathered_masters(engine), "params": gathered_params(engine),
               "norms": norms, "loss_dtypes": sorted(out_dtypes), "comm": engine.comm_stats(),
               "memory": engine.memory_breakdown(), "skipped": engine.skipped_steps}
@@ -209,12 +208,12 @@ def overflow_task(group, stage: int, inject: list[int], window: int, hysteresis:
     try:
         for step in range(steps or max(inject) + window + 2):
             state["step"] = step
-            before = {n: p.detach().float().clone() for n, p in zerodp_full_params(engine).items()}
+            before = {n: p.detach().float().clone() for n, p in gathered_params(engine).items()}
             x = torch.randn(4, 8, generator=gen)
             loss = engine(x).float().pow(2).mean()
             engine.backward(loss)
             engine.step()
-            after = zerodp_full_params(engine)
+            after = gathered_params(engine)
             changed = any(not torch.equal(before[n], p.float()) for n, p in after.items())
             rows.append({"scale": engine.loss_scale, "changed": changed, "lr": engine.get_lr()[0],
                          "skipped": engine.skipped_steps, "norm": engine.get_global_grad_norm(),
@@ -224,11 +223,6 @@ def overflow_task(group, stage: int, inject: list[int], window: int, hysteresis:
     finally:
         engine.destroy()
     return {"rows": rows, "error": None}
-
-
-def zerodp_full_params(engine) -> dict[str, torch.Tensor]:
-    from parity_model import gathered_params
-    return gathered_params(engine)
 
 
 # -- casting ---------------------------------------------------------------------------------------

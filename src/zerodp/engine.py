@@ -190,7 +190,7 @@ class ZeroEngine(nn.Module):
 
         pieces_by_group = [[] for _ in groups]
         for g in self.trainable:  # 16-bit parameters: the optimizer updates fp32 masters
-            master = g.make_master() if g.dtype != torch.float32 and self.precision.mixed else g.shard
+            master = g.make_master() if self.precision.keeps_master(g.dtype) else g.shard
             pieces_by_group[g.param_group].extend(g.make_piece_params(master))
         self.optimizer = self._build_optimizer(groups, pieces_by_group, optimizer)
         self.lr_scheduler = self._build_lr_scheduler(lr_scheduler)

@@ -297,10 +297,15 @@ def _save(fig: Any, out_path: str | Path) -> Path:
 
 
 def plot_runs(paths: Sequence[str | Path], out_dir: str | Path,
-              estimates: Optional[Sequence[Optional[Mapping[str, float]]]] = None) -> list[Path]:
+              estimates: Optional[Sequence[Optional[Mapping[str, float]]]] = None,
+              with_accounting: bool = False) -> list[Path]:
     """Read the runs at ``paths`` and write the three charts into ``out_dir``; returns the
-    files written. Runs without any recorded step are left out (PlotError if none has one)."""
+    files written. Runs without any recorded step are left out (PlotError if none has one).
+    With ``with_accounting`` and no ``estimates``, the bars' estimates are the ZeRO
+    accounting of each run (``estimates_for``)."""
     runs = [load_run(p) for p in paths]
+    if estimates is None and with_accounting:
+        estimates = estimates_for(runs)
     keep = [i for i, r in enumerate(runs) if r.rows]
     if not keep:
         raise PlotError("no optimizer step recorded in " + ", ".join(str(r.csv_path) for r in runs))
@@ -372,7 +377,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         out_dir = Path(".")
     try:
-        written = plot_runs(args.runs, out_dir, estimates_for([load_run(p) for p in args.runs]))
+        written = plot_runs(args.runs, out_dir, with_accounting=True)
     except PlotError as e:
         print(f"zerodp plot: error: {e}", file=sys.stderr)
         return 2

@@ -53,6 +53,11 @@ class PrecisionPolicy:
         """Whether parameters are cast to a 16-bit dtype with fp32 masters."""
         return self.compute != torch.float32
 
+    def keeps_master(self, param_dtype: torch.dtype) -> bool:
+        """Whether groups of ``param_dtype`` get an fp32 master copy for the optimizer (16-bit
+        groups under mixed precision; fp32 groups such as batch norm update in place)."""
+        return self.mixed and param_dtype != torch.float32
+
     def grad_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
         """The dtype gradients of ``param_dtype`` parameters are kept in (fp32 groups such as
         batch normalization stay fp32)."""
