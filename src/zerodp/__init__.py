@@ -20,11 +20,13 @@ import torch.distributed as dist
 
 from . import accelerator
 from .config import PRESETS, Config, ConfigError, load_config, resolve_batch_sizes
+from .checkpoint import CheckpointError
+from .data import DataLoader
 from .engine import ZeroEngine
 from .estimator import estimate
 from .fetch import GatheredParameters, register_external_parameter
 
-__all__ = ["initialize", "GatheredParameters", "register_external_parameter", "ZeroEngine", "Config", "ConfigError", "load_config", "PRESETS",
+__all__ = ["initialize", "CheckpointError", "GatheredParameters", "register_external_parameter", "ZeroEngine", "Config", "ConfigError", "load_config", "PRESETS",
            "resolve_batch_sizes", "estimate"]
 __version__ = "0.1.0"
 
@@ -37,20 +39,6 @@ if not _log.handlers:
     _log.propagate = False
 
 
-class _EpochLoader(torch.utils.data.DataLoader):
-    """A DataLoader over a DistributedSampler that reshuffles every epoch (each new
-    iteration calls ``sampler.set_epoch`` with the next epoch number)."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.epoch = 0
-
-    def __iter__(self):
-        self.sampler.set_epoch(self.epoch)
-        self.epoch += 1
-        return super().__iter__()
-
-
 def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimizer: Any = None,
                model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
                config: Any = None, config_params: Any = None, dist_init_required: Optional[bool] = None,
@@ -60,7 +48,8 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
 
     Returns ``(engine, optimizer, dataloader, lr_scheduler)``; ``dataloader`` is ``None``
     unless ``training_data`` (a ``torch.utils.data.Dataset``) is given, and then yields
-    ``train_micro_batch_size_per_gpu`` samples per rank from a ``DistributedSampler``.
+    ``train_micro_batch_size_per_gpu`` samples per rank (``zerodp.data.DataLoader``: a shuffled
+    order split over the ranks, reshuffled every epoch, whose position checkpoints keep).
 
     * ``config``: a dict, a path to a JSON file, or a ``zerodp.Config`` (``config_params`` is
       DeepSpeed's older name for it; ``args.deepspeed_config`` is read too).
@@ -94,9 +83,8 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
                         unit_classes=unit_classes, param_init_fn=param_init_fn)
     loader = None
     if training_data is not None:
-        from torch.utils.data.distributed import DistributedSampler
-        sampler = DistributedSampler(training_data, num_replicas=engine.dp_world_size,
-                                     rank=engine.dp_rank, shuffle=True)
-        loader = _EpochLoader(training_data, batch_size=engine.train_micro_batch_size_per_gpu(),
-                              sampler=sampler, collate_fn=collate_fn)
+        loader = DataLoader(training_data, batch_size=engine.train_micro_batch_size_per_gpu(),
+                            num_replicas=engine.dp_world_size, rank=engine.dp_rank,
+                            collate_fn=collate_fn)
+    engine.training_dataloader = loader
     return engine, engine.optimizer, loader, engine.lr_scheduler

@@ -104,7 +104,7 @@ class ZeroConfig(_Section):
     stage3_max_reuse_distance: _NonNegative = Field(
         1_000_000_000, description="Stage 3: after its forward, a unit stays gathered when the recorded order uses it again (later in forward or in backward) before this many elements of other units are gathered, within stage3_max_live_parameters; 0 releases every unit after each use.")
     stage3_gather_16bit_weights_on_model_save: bool = Field(
-        False, description="Stage 3: gather full weights when saving the model. Accepted; checkpoints are not implemented yet.")
+        False, description="Accepted for compatibility: save_16bit_model always gathers the full weights at stage 3 (DeepSpeed writes nothing there unless this is true).")
     offload_optimizer: OffloadConfig | None = Field(
         None, description='Optimizer offload; must be absent or device "none".')
     offload_param: OffloadConfig | None = Field(
@@ -203,6 +203,23 @@ class TensorBoardConfig(_MonitorBlock):
                                             "(pip install tensorboard).")
 
 
+class CheckpointConfig(_Section):
+    """The ``checkpoint`` block."""
+
+    tag_validation: Literal["Warn", "Ignore", "Fail", "WARN", "IGNORE", "FAIL"] = Field(
+        "Warn", description="Accepted for compatibility: zerodp always checks that every rank saves "
+                            "the same tag and fails the save when they differ.")
+    async_save: bool = Field(False, description="save_checkpoint returns once this rank's tensors are "
+                                                "copied to host memory and writes them in the background "
+                                                "(costs host memory equal to the rank's checkpoint file "
+                                                "until written); the next save or load waits for it.")
+    use_node_local_storage: Annotated[bool, _only(False, "zerodp writes every checkpoint to one "
+                                                         "directory all ranks can read (a shared "
+                                                         "filesystem)")] = Field(
+        False, description="Must be false: every rank writes its own file into one directory that "
+                           "all ranks can read.")
+
+
 class Config(_Section):
     """A whole zerodp config (DeepSpeed key names and defaults)."""
 
@@ -234,6 +251,8 @@ class Config(_Section):
         False, description="Must be false (gradient pre-scaling is not implemented).")
     sparse_gradients: Annotated[bool, _only(False, _NO_GRAD_OP)] = Field(
         False, description="Must be false (sparse gradients are not implemented).")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig,
+                                         description="Checkpoint saving.")
     csv_monitor: CSVMonitorConfig = Field(default_factory=CSVMonitorConfig,
                                           description="Per-step training metrics in a CSV file.")
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig,

@@ -208,6 +208,8 @@ class ZeroEngine(nn.Module):
         self._timings: dict[str, list[float]] = defaultdict(list)
         self._reset_backward_state()
         self.monitor = monitor_from_config(config, self)
+        self.training_dataloader = None  # set by zerodp.initialize(training_data=...)
+        self._checkpointer = None
 
     # -- set-up -------------------------------------------------------------------------
 
@@ -712,15 +714,54 @@ class ZeroEngine(nn.Module):
             index.update(g.index_entries())
         return index
 
-    def save_checkpoint(self, *args, **kwargs):
-        raise NotImplementedError("checkpoints are not available in this version of zerodp; "
-                                  "at stages 0-2 engine.module.state_dict() holds the full model")
+    # -- checkpoints (``checkpoint/``) ----------------------------------------------------
 
-    load_checkpoint = save_checkpoint
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False, async_save: Optional[bool] = None) -> bool:
+        """Save to ``save_dir/tag`` (default tag ``global_step{N}``): every rank writes its shard
+        in parallel, rank 0 the index, committed atomically; ``save_dir/latest`` then names
+        the tag. ``client_state``: a dict of JSON values and tensors, returned by
+        ``load_checkpoint``. ``async_save`` (default: the config's ``checkpoint.async_save``)
+        returns once a host copy is staged and writes in the background. Every rank must call
+        it. See ``zerodp/checkpoint/save.py``."""
+        if self._checkpointer is None:
+            from .checkpoint.save import Checkpointer
+            self._checkpointer = Checkpointer(self)
+        if async_save is None:
+            async_save = self.config.checkpoint.async_save
+        return self._checkpointer.save(save_dir, tag, client_state, save_latest,
+                                       exclude_frozen_parameters, async_save)
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False):
+        """Load ``load_dir/tag`` (default: the tag ``load_dir/latest`` names), written by zerodp
+        at any world size and stage or by DeepSpeed; returns ``(path, client_state)``, or
+        ``(None, None)`` when there is no ``latest`` to follow. Every rank must call it."""
+        self.wait_for_checkpoint()
+        from .checkpoint import load_checkpoint
+        return load_checkpoint(self, load_dir, tag, load_module_strict=load_module_strict,
+                               load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states,
+                               load_module_only=load_module_only)
+
+    def wait_for_checkpoint(self) -> None:
+        """Wait for an asynchronous save in flight; raise its error if it failed."""
+        if self._checkpointer is not None:
+            self._checkpointer.wait()
+
+    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Write the full model's weights in the compute dtype (gathered at stage 3) to
+        ``save_dir/save_filename`` from rank 0: safetensors for a ``.safetensors`` name,
+        otherwise ``torch.save`` of the state dict. Every rank must call it."""
+        from .checkpoint.consolidate import save_16bit_model
+        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     def destroy(self) -> None:
-        """Remove the gradient hooks and close the metrics files (the model stays usable as a
-        plain module)."""
+        """Wait for an asynchronous save in flight, remove the gradient hooks and close the
+        metrics files (the model stays usable as a plain module)."""
+        self.wait_for_checkpoint()
         for h in self._hooks + self._unit_hooks:
             h.remove()
         self._hooks, self._unit_hooks = [], []

@@ -104,12 +104,7 @@ class FlatGroup:
                     self.full[slot.offset:slot.offset + slot.numel].copy_(p.detach().reshape(-1))
             self.bind_params_to_full()
 
-        self.pieces: list[Piece] = []
-        for i, slot in enumerate(self.slots):
-            lo = max(slot.offset, self.shard_lo)
-            hi = min(slot.offset + slot.numel, self.shard_hi)
-            if lo < hi:
-                self.pieces.append(Piece(i, lo - self.shard_lo, hi - self.shard_lo, lo - slot.offset))
+        self.pieces: list[Piece] = self.pieces_in(self.shard_lo, self.shard_hi)
 
         self.grad_full: Optional[torch.Tensor] = None
         self.grad_shard: Optional[torch.Tensor] = None
@@ -142,6 +137,17 @@ class FlatGroup:
         """After initializing a materialized buffer: keep this rank's shard, free the rest."""
         self._own_shard.copy_(self.shard_of(self.full))
         self.release()
+
+    def pieces_in(self, lo: int, hi: int) -> list[Piece]:
+        """The parts of parameters inside elements [lo, hi) of the full buffer, with offsets
+        relative to ``lo`` (this rank's shard, or any other range: checkpoints use this to
+        describe every rank's shard)."""
+        pieces = []
+        for i, slot in enumerate(self.slots):
+            a, b = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
+            if a < b:
+                pieces.append(Piece(i, a - lo, b - lo, a - slot.offset))
+        return pieces
 
     # -- views ------------------------------------------------------------------------
 

@@ -165,3 +165,10 @@ class LossScaler:
     def state_dict(self) -> dict:
         return {"scale": self.scale, "hysteresis_left": self.hysteresis_left,
                 "good_steps": self.good_steps, "overflows": self.overflows}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from :meth:`state_dict` (the settings stay those of this run's config)."""
+        self.scale = float(state["scale"])
+        self.hysteresis_left = int(state.get("hysteresis_left", self.hysteresis))
+        self.good_steps = int(state.get("good_steps", 0))
+        self.overflows = int(state.get("overflows", 0))

@@ -1,0 +1,750 @@
+"""Checkpoints written by DeepSpeed 0.19's ``engine.save_checkpoint`` at ZeRO stages 1, 2 and
+3 (fp32, bf16 and fp16), read through the :class:`~zerodp.checkpoint.source.Source` view.
+
+A tag directory (``ckpt/global_step4/``) holds:
+
+* the model states: ``mp_rank_00_model_states.pt`` at stages 1 and 2, one
+  ``zero_pp_rank_R_mp_rank_00_model_states.pt`` per rank at stage 3 (rank 0's holds the
+  metadata). They carry the module state dict (stage 3: empty placeholders for the partitioned
+  parameters), ``buffer_names``, ``param_shapes`` (one ordered name -> shape map per flat
+  group, in flat order), ``frozen_param_shapes``/``frozen_param_fragments`` (stages 2 and 3),
+  ``shared_params`` (tied name -> stored name), the scheduler state, the engine counters, the
+  ``ds_config`` and the user's ``client_state`` keys merged in at the top level;
+* one optimizer file per data-parallel rank, ``zero_pp_rank_R_mp_rank_00_optim_states.pt``
+  (``bf16_zero_pp_rank_R_...`` for bf16 runs), whose ``optimizer_state_dict`` holds that
+  rank's fp32 partitions and the base optimizer's state of them.
+
+Stages 1 and 2 (``single_partition_of_fp32_groups``): per param group, the trainable
+parameters are concatenated in ``param_shapes`` order (with ``param_alignment_paddings``
+after each) and padded to a multiple of ``2 * world_size``; rank R owns the slice
+``[R * P, (R + 1) * P)`` of that flat vector. The ZeRO optimizer saves it without the
+trailing padding (``group_paddings`` says how much, so ``P`` is rank 0's length plus its
+padding); DeepSpeed's ``BF16_Optimizer`` (bf16 with fp32 gradient accumulation at stage 1,
+recognisable by the missing ``zero_stage`` key) saves full slices. The base optimizer's state
+tensors (``base_optimizer_state``: a torch ``state_dict`` with one flat parameter per group,
+or with ``elastic_checkpoint`` a list of per-group state dicts) are laid out like the slice.
+
+Stage 3 (``fp32_flat_groups``): every parameter is partitioned on its own into
+``ceil(numel / world_size)`` elements per rank (the last rank's part padded), and each rank
+concatenates its parts of the parameters of a sub group (``param_shapes`` has one map per sub
+group). The base optimizer holds one flat tensor per sub group; its param groups list the
+sub groups they own. Frozen parameters are partitioned the same way, one fragment per rank
+in that rank's model states file.
+
+DeepSpeed writes pickles. They are read only with ``torch.load(weights_only=True,
+mmap=True)``, with stand-in classes registered under the names of the few DeepSpeed types
+they hold (:data:`ALLOWED_GLOBALS`); a file naming any other non-torch global is refused
+before it is unpickled. Every file is opened at most once, when first needed, and its tensors
+stay memory-mapped.
+"""
+from __future__ import annotations
+
+import enum
+import math
+import pickletools
+import re
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+
+from .source import VALUE, CheckpointError, EngineState, OptimizerInfo, ParamInfo, Read, Source
+
+MODEL_FILE = "mp_rank_00_model_states.pt"
+STAGE3_MODEL_FILE = "zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+OPTIM_FILE = "{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+_OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+_STAGE3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+
+
+# ----------------------------------------------------------------------------- safe loading
+
+class _FragmentAddress:
+    """Stand-in for ``deepspeed.utils.tensor_fragment.fragment_address`` (``numel``, ``start``)."""
+
+
+class _ZeroStage(enum.IntEnum):
+    """Stand-in for ``deepspeed.runtime.zero.config.ZeroStageEnum``."""
+
+    disabled = 0
+    optimizer_states = 1
+    gradients = 2
+    weights = 3
+
+
+class _StaticLossScaler:
+    """Stand-in for ``deepspeed.runtime.fp16.loss_scaler.LossScaler`` (``cur_scale``)."""
+
+
+class _DynamicLossScaler:
+    """Stand-in for ``deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler`` (``cur_scale``,
+    ``cur_iter``, ``last_overflow_iter``, ``cur_hysteresis``, ``scale_window`` ...)."""
+
+
+#: The only globals beyond torch's own ``weights_only`` set that a DeepSpeed file may name,
+#: and the inert classes that are built in their place (attributes only, no methods run).
+ALLOWED_GLOBALS: dict[str, type] = {
+    "deepspeed.utils.tensor_fragment.fragment_address": _FragmentAddress,
+    "deepspeed.runtime.zero.config.ZeroStageEnum": _ZeroStage,
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler": _StaticLossScaler,
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler": _DynamicLossScaler,
+}
+
+
+def _pickle_globals(path: Path) -> set[str]:
+    """Every global the pickle of a ``torch.save`` zip names, found by disassembly (nothing runs)."""
+    with zipfile.ZipFile(path) as zf:
+        records = [n for n in zf.namelist() if n == "data.pkl" or n.endswith("/data.pkl")]
+        if len(records) != 1:
+            raise ValueError("no data.pkl record")
+        data = zf.read(records[0])
+    found: set[str] = set()
+    for opcode, arg, _ in pickletools.genops(data):
+        if opcode.name in ("GLOBAL", "INST"):
+            found.add(str(arg).replace(" ", "."))
+        elif opcode.name == "STACK_GLOBAL":
+            raise ValueError("the pickle names a global by STACK_GLOBAL, which torch.save never writes")
+    return found
+
+
+def load_pickle(path: Path) -> Any:
+    """``torch.load`` of a DeepSpeed file with ``weights_only=True`` and ``mmap=True``, after
+    checking that it names no global beyond torch's tensor types and :data:`ALLOWED_GLOBALS`.
+
+    Raises :class:`CheckpointError` for a missing, unreadable or disallowed file.
+    """
+    if not path.is_file():
+        raise CheckpointError(f"{path} does not exist")
+    try:
+        names = _pickle_globals(path)
+        torch_unsafe = set(torch.serialization.get_unsafe_globals_in_checkpoint(str(path)))
+    except Exception as exc:
+        raise CheckpointError(f"{path} cannot be read ({type(exc).__name__}: {exc}): the file is truncated "
+                              "or is not a torch.save file") from None
+    # globals some other code registered process-wide are no exception here
+    registered = set()
+    for entry in torch.serialization.get_safe_globals():
+        if isinstance(entry, tuple):
+            registered.add(entry[1])
+        else:
+            registered.add(f"{getattr(entry, '__module__', '')}.{getattr(entry, '__qualname__', '')}")
+    refused = sorted(n for n in names if n not in ALLOWED_GLOBALS and (n in torch_unsafe or n in registered))
+    if refused:
+        raise CheckpointError(
+            f"{path} holds the global{'s' if len(refused) > 1 else ''} {', '.join(refused)}, which is not "
+            "one of the tensors or DeepSpeed types a DeepSpeed checkpoint holds; the file is not loaded "
+            "because zerodp never unpickles arbitrary objects")
+    try:
+        with torch.serialization.safe_globals([(cls, name) for name, cls in ALLOWED_GLOBALS.items()]):
+            return torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:
+        raise CheckpointError(f"{path} cannot be read ({type(exc).__name__}: {exc}); it is not loaded "
+                              "because zerodp never unpickles arbitrary objects") from None
+
+
+# ----------------------------------------------------------------------------- detection
+
+def _files(tag_dir: Path) -> list[str]:
+    try:
+        return [p.name for p in tag_dir.iterdir() if p.is_file()]
+    except OSError:
+        return []
+
+
+def is_deepspeed_checkpoint(tag_dir: Union[str, Path]) -> bool:
+    """Whether ``tag_dir`` is a tag directory written by DeepSpeed's ``save_checkpoint``: it
+    holds ``mp_rank_00_model_states.pt`` or per-rank ``zero_pp_rank_*`` model or optimizer
+    state files."""
+    tag_dir = Path(tag_dir)
+    if not tag_dir.is_dir():
+        return False
+    return any(n == MODEL_FILE or _OPTIM_RE.match(n) or _STAGE3_MODEL_RE.match(n) for n in _files(tag_dir))
+
+
+# ----------------------------------------------------------------------------- helpers
+
+#: Top-level keys DeepSpeed itself writes into the model states file; the rest is client_state.
+_ENGINE_KEYS = frozenset({
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "skipped_steps",
+    "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
+    "checkpoint_parallel_dimensions", "universal_checkpoint_info", "num_experts",
+})
+
+#: Keys of DeepSpeed's optimizer blocks that are not torch hyperparameters.
+_DS_ONLY_OPTIMIZER_KEYS = ("torch_adam", "adam_w_mode", "fp32_optimizer_states", "set_grad_none")
+
+
+def _json(value: Any) -> Any:
+    if isinstance(value, (tuple, list)):
+        return [_json(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _json(v) for k, v in value.items()}
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    if isinstance(value, enum.Enum):
+        return value.value
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def _numel(shape) -> int:
+    return math.prod(int(s) for s in shape)
+
+
+def _is_elementwise(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() >= 1
+
+
+def _scalar(value: Any) -> Optional[float]:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value.item())
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def _enabled(cfg: dict, *keys: str) -> bool:
+    return any(isinstance(cfg.get(k), dict) and bool(cfg[k].get("enabled", False)) for k in keys)
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """Elements ``[elem, elem + length)`` of a parameter stored at ``[local, local + length)``
+    of a flat tensor: flat group ``where`` of rank ``rank``'s optimizer file (trainable), or
+    the frozen fragment of that parameter in rank ``rank``'s model states (``where`` None)."""
+
+    rank: int
+    where: Optional[int]
+    local: int
+    elem: int
+    length: int
+
+
+# ----------------------------------------------------------------------------- the source
+
+class DeepSpeedSource(Source):
+    """A DeepSpeed ZeRO 1/2/3 checkpoint (see the module docstring), opened from its tag
+    directory (or from the directory above it, through its ``latest`` file).
+
+    Values of trainable parameters are the fp32 master partitions; frozen parameters come in
+    their stored dtype. Optimizer state is the base optimizer's, per flat group; its ``step``
+    is reported for every parameter of the group. An ``elastic_checkpoint`` stores no param
+    group hyperparameters, and then ``optimizer.param_groups`` holds empty dicts.
+    """
+
+    kind = "deepspeed"
+
+    def __init__(self, tag_dir: Union[str, Path]) -> None:
+        path = Path(tag_dir)
+        if not path.is_dir():
+            raise CheckpointError(f"{path} is not a directory")
+        if not is_deepspeed_checkpoint(path) and (path / "latest").is_file():
+            path = path / (path / "latest").read_text().strip()
+        if not is_deepspeed_checkpoint(path):
+            raise CheckpointError(f"{path} is not a DeepSpeed checkpoint tag directory (no "
+                                  f"{MODEL_FILE} and no zero_pp_rank_*_model_states.pt/_optim_states.pt files)")
+        self.path, self.tag = path, path.name
+        self._cache: dict[Path, Any] = {}
+        names = _files(path)
+        self._refuse_unsupported_files(names)
+
+        stage3_files = sorted(int(m.group(1)) for n in names if (m := _STAGE3_MODEL_RE.match(n)))
+        self._stage3_files = bool(stage3_files)
+        model_name = STAGE3_MODEL_FILE.format(rank=0) if stage3_files else MODEL_FILE
+        if not (path / model_name).is_file():
+            raise CheckpointError(f"{path / model_name} is missing: the checkpoint was written by "
+                                  f"{self._world_hint(names)}, and this file holds its model states and metadata")
+        model = self._load(path / model_name)
+        if not isinstance(model, dict):
+            raise CheckpointError(f"{path / model_name} does not hold a DeepSpeed model states dict")
+        self._model0 = model
+        self._ds_config = model.get("ds_config") if isinstance(model.get("ds_config"), dict) else {}
+        self._check_parallelism(model, path / model_name)
+
+        self.compute_dtype = self._find_compute_dtype(names)
+        optim_ranks = {int(m.group(2)): n for n in names if (m := _OPTIM_RE.match(n))}
+        if not optim_ranks:
+            zero = self._ds_config.get("zero_optimization")
+            stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+            if isinstance(stage, int) and stage >= 1:
+                raise CheckpointError(
+                    f"{path} holds no zero_pp_rank_*_optim_states.pt files although its ds_config says ZeRO "
+                    f"stage {stage} and {model.get('dp_world_size')} ranks: the optimizer files are missing")
+            raise CheckpointError(
+                f"{path} holds no zero_pp_rank_*_optim_states.pt files: a checkpoint without ZeRO optimizer "
+                f"partitions (ZeRO stage {stage}, optimizer state inside {model_name}) is not supported; "
+                "only ZeRO stages 1, 2 and 3 are")
+        prefixes = {n.startswith("bf16_") for n in optim_ranks.values()}
+        both = len(prefixes) == 2
+        self._optim_prefix = "bf16_" if prefixes == {True} or (both and self.compute_dtype == "bf16") else ""
+
+        dp_world = model.get("dp_world_size")
+        rank0 = path / OPTIM_FILE.format(prefix=self._optim_prefix, rank=0)
+        if not rank0.is_file():
+            raise CheckpointError(f"{rank0} is missing: the checkpoint was written by "
+                                  f"{dp_world if dp_world is not None else 'an unknown number of'} ranks")
+        opt0 = self._optim_dict(rank0)
+        counts = opt0.get("partition_count")
+        counts = counts if isinstance(counts, list) else [counts]
+        if not counts or any(not isinstance(c, int) for c in counts):
+            raise CheckpointError(f"{rank0} has no partition_count: not a ZeRO optimizer states file")
+        if len(set(counts)) != 1:
+            raise CheckpointError(f"{rank0}: param groups are partitioned over different numbers of ranks "
+                                  f"({counts}, expert-parallel MoE groups); such checkpoints are not supported")
+        self.world_size = counts[0]
+        self._check_rank_files(names, optim_ranks)
+
+        stage = opt0.get("zero_stage")
+        if stage is None:  # BF16_Optimizer writes no zero_stage
+            stage = self._ds_config.get("zero_optimization", {}).get("stage")
+            self._padded_partitions = True
+        else:
+            self._padded_partitions = False
+        try:
+            stage = int(stage)
+        except (TypeError, ValueError):
+            raise CheckpointError(f"{rank0}: cannot tell the ZeRO stage (zero_stage {stage!r})") from None
+        if stage not in (1, 2, 3):
+            raise CheckpointError(f"{rank0}: ZeRO stage {stage} is not supported; only stages 1, 2 and 3 are")
+        if (stage == 3) != self._stage3_files:
+            raise CheckpointError(f"{path}: the optimizer files say ZeRO stage {stage} but the model states "
+                                  f"are laid out for stage {'3' if self._stage3_files else '1 or 2'}")
+        self.zero_stage = stage
+        if stage == 3 and opt0.get("ds_zero_partition_groups") is not None:
+            raise CheckpointError(f"{rank0}: ZeRO-3 sub groups partitioned over expert-parallel groups "
+                                  "(AutoEP) are not supported")
+
+        param_shapes = model.get("param_shapes")
+        if not isinstance(param_shapes, list):
+            raise CheckpointError(f"{path / model_name} has no param_shapes: not a ZeRO checkpoint")
+        self._pieces: dict[str, list[_Piece]] = {}
+        self._group_of: dict[str, int] = {}
+        self._flat_of: dict[str, int] = {}
+        self._shapes: dict[str, tuple] = {}
+        self._expected_len: list[Union[int, list[int]]] = []
+        if stage == 3:
+            self._layout_stage3(param_shapes, opt0, rank0)
+        else:
+            self._layout_stage12(param_shapes, opt0, rank0)
+        self._frozen_shapes, self._frozen_dtypes = self._layout_frozen(model)
+        self._check_rank_layout(0, opt0, rank0)
+
+        self.aliases = {str(k): str(v) for k, v in (model.get("shared_params") or {}).items()}
+        self._fill_params(model)
+        self.optimizer = self._optimizer_info(opt0)
+        self.engine_state = self._engine_state(model)
+        self.lr_scheduler = model.get("lr_scheduler")
+        self.loss_scaler = self._loss_scaler(opt0)
+        self.client_state = {k: v for k, v in model.items() if k not in _ENGINE_KEYS}
+        self.rng_states = None
+        self.data_loader = None
+        self.buffer_names = tuple(model.get("buffer_names") or ())
+
+    # ------------------------------------------------------------------ files
+
+    def _load(self, path: Path) -> Any:
+        if path not in self._cache:
+            self._cache[path] = load_pickle(path)
+        return self._cache[path]
+
+    def _optim_dict(self, path: Path) -> dict:
+        sd = self._load(path)
+        if not isinstance(sd, dict) or not isinstance(sd.get("optimizer_state_dict"), dict):
+            raise CheckpointError(f"{path} does not hold a DeepSpeed optimizer_state_dict")
+        return sd["optimizer_state_dict"]
+
+    def _optim_file(self, rank: int) -> Path:
+        return self.path / OPTIM_FILE.format(prefix=self._optim_prefix, rank=rank)
+
+    def _model_file(self, rank: int) -> Path:
+        return self.path / (STAGE3_MODEL_FILE.format(rank=rank) if self.zero_stage == 3 else MODEL_FILE)
+
+    def _rank_optim(self, rank: int) -> dict:
+        path = self._optim_file(rank)
+        fresh = path not in self._cache
+        opt = self._optim_dict(path)
+        if fresh and rank != 0:
+            try:
+                self._check_rank_layout(rank, opt, path)
+            except CheckpointError:
+                del self._cache[path]
+                raise
+        return opt
+
+    def _refuse_unsupported_files(self, names: list[str]) -> None:
+        for n in names:
+            if n.startswith("layer_") and n.endswith("model_states.pt"):
+                raise CheckpointError(f"{self.path / n}: pipeline-parallel checkpoints (per-layer files) "
+                                      "are not supported")
+            if n.startswith(("expert_", "expp_rank_")):
+                raise CheckpointError(f"{self.path / n}: checkpoints of MoE expert parameters are not supported")
+            m = _OPTIM_RE.match(n) or _STAGE3_MODEL_RE.match(n)
+            if (m and int(m.groups()[-1]) != 0) or re.match(r"^mp_rank_(?!00_)\d+_model_states\.pt$", n):
+                raise CheckpointError(f"{self.path / n}: tensor/model-parallel checkpoints (mp_rank > 0) "
+                                      "are not supported")
+        if (self.path / "offloaded_tensors").exists():
+            raise CheckpointError(f"{self.path}: checkpoints with NVMe-offloaded optimizer state "
+                                  "(offloaded_tensors/) are not supported")
+
+    def _world_hint(self, names: list[str]) -> str:
+        """How many ranks wrote the checkpoint, as far as the files that are there tell."""
+        for n in sorted(names):
+            try:
+                if _OPTIM_RE.match(n):
+                    counts = self._optim_dict(self.path / n).get("partition_count")
+                    counts = counts if isinstance(counts, list) else [counts]
+                    return f"{max(counts)} ranks"
+                if _STAGE3_MODEL_RE.match(n):
+                    return f"{self._load(self.path / n)['dp_world_size']} ranks"
+            except (CheckpointError, KeyError, TypeError, ValueError):
+                continue
+        return "an unknown number of ranks"
+
+    def _check_parallelism(self, model: dict, file: Path) -> None:
+        mp = model.get("mp_world_size", 1)
+        dims = model.get("checkpoint_parallel_dimensions") or {}
+        degrees = {"model parallel": mp, "tensor parallel": dims.get("tp_degree", 1),
+                   "pipeline parallel": dims.get("pp_degree", 1)}
+        for what, degree in degrees.items():
+            if isinstance(degree, int) and degree > 1:
+                raise CheckpointError(f"{file}: written with {what} degree {degree}; only pure data-parallel "
+                                      "ZeRO checkpoints are supported")
+
+    def _check_rank_files(self, names: list[str], optim_ranks: dict[int, str]) -> None:
+        ws = self.world_size
+        for r in range(ws):
+            f = self._optim_file(r)
+            if not f.is_file():
+                raise CheckpointError(f"{f} is missing: the checkpoint was written by {ws} ranks and every "
+                                      "rank's optimizer file is needed")
+            if self._stage3_files:
+                f = self.path / STAGE3_MODEL_FILE.format(rank=r)
+                if not f.is_file():
+                    raise CheckpointError(f"{f} is missing: the checkpoint was written by {ws} ranks and every "
+                                          "rank's model states file is needed at ZeRO stage 3")
+        beyond = sorted(r for r, n in optim_ranks.items() if r >= ws and n.startswith(self._optim_prefix))
+        if beyond:
+            raise CheckpointError(f"{self.path} holds optimizer files of ranks {beyond}, but the checkpoint was "
+                                  f"written by {ws} ranks: files left from another checkpoint are mixed in")
+
+    def _find_compute_dtype(self, names: list[str]) -> str:
+        cfg = self._ds_config
+        if _enabled(cfg, "bf16", "bfloat16"):
+            return "bf16"
+        if _enabled(cfg, "fp16"):
+            return "fp16"
+        if cfg:
+            return "fp32"
+        if any(n.startswith("bf16_zero_pp_rank_") for n in names):
+            return "bf16"
+        module = self._model0.get("module") or {}
+        dtypes = {v.dtype for v in module.values() if isinstance(v, torch.Tensor) and v.is_floating_point()}
+        return "fp16" if torch.float16 in dtypes else "fp32"
+
+    # ------------------------------------------------------------------ layout
+
+    def _layout_stage12(self, param_shapes: list, opt0: dict, rank0: Path) -> None:
+        flats = opt0.get("single_partition_of_fp32_groups")
+        if not isinstance(flats, list) or len(flats) != len(param_shapes):
+            raise CheckpointError(f"{rank0}: single_partition_of_fp32_groups does not match the "
+                                  f"{len(param_shapes)} param groups of param_shapes")
+        paddings = opt0.get("group_paddings") or [0] * len(flats)
+        align = opt0.get("param_alignment_paddings")
+        ws = self.world_size
+        for g, shapes in enumerate(param_shapes):
+            part = flats[g].numel() + (0 if self._padded_partitions else int(paddings[g]))
+            offset = 0
+            for i, (name, shape) in enumerate(shapes.items()):
+                n = _numel(shape)
+                pieces = []
+                for r in (range(offset // part, (offset + n - 1) // part + 1) if n else ()):
+                    lo, hi = max(offset, r * part), min(offset + n, (r + 1) * part)
+                    pieces.append(_Piece(r, g, lo - r * part, lo - offset, hi - lo))
+                self._add_trainable(str(name), pieces, g, g, tuple(int(s) for s in shape))
+                offset += n + (int(align[g][i]) if align else 0)
+            if part * ws < offset:
+                raise CheckpointError(f"{rank0}: param group {g} holds {offset} elements but {ws} partitions "
+                                      f"of {part}: a stage-{self.zero_stage} layout this reader does not know")
+            if self._padded_partitions:
+                self._expected_len.append([part] * ws)
+            else:
+                self._expected_len.append([min(part, max(0, offset - r * part)) for r in range(ws)])
+
+    def _layout_stage3(self, param_shapes: list, opt0: dict, rank0: Path) -> None:
+        flats = opt0.get("fp32_flat_groups")
+        base = opt0.get("optimizer_state_dict")
+        if not isinstance(flats, list) or len(flats) != len(param_shapes) or not isinstance(base, dict):
+            raise CheckpointError(f"{rank0}: fp32_flat_groups does not match the {len(param_shapes)} sub "
+                                  "groups of param_shapes")
+        owner: dict[int, int] = {}
+        for g, group in enumerate(base.get("param_groups", [])):
+            for idx in group.get("params", []):
+                owner[int(idx)] = g
+        if sorted(owner) != list(range(len(flats))):
+            raise CheckpointError(f"{rank0}: the optimizer's param groups own sub groups {sorted(owner)}, "
+                                  f"not the {len(flats)} sub groups saved; a layout this reader does not know")
+        ws = self.world_size
+        for s, shapes in enumerate(param_shapes):
+            local = 0
+            for name, shape in shapes.items():
+                n = _numel(shape)
+                part = math.ceil(n / ws)
+                pieces = [_Piece(r, s, local, r * part, min(part, n - r * part))
+                          for r in range(ws) if n - r * part > 0]
+                self._add_trainable(str(name), pieces, owner[s], s, tuple(int(x) for x in shape))
+                local += part
+            self._expected_len.append([local] * ws)
+
+    def _add_trainable(self, name: str, pieces: list[_Piece], group: int, flat: int, shape: tuple) -> None:
+        if name in self._pieces:
+            raise CheckpointError(f"{self.path}: parameter {name} appears twice in param_shapes")
+        self._pieces[name] = pieces
+        self._group_of[name] = group
+        self._flat_of[name] = flat
+        self._shapes[name] = shape
+
+    def _layout_frozen(self, model: dict) -> tuple[dict[str, tuple], dict[str, torch.dtype]]:
+        """Shapes and dtypes of the parameters outside the optimizer, and their pieces: at stage 3
+        one fragment per rank, below stage 3 the whole tensor (``frozen_param_fragments`` or the
+        module state dict) in the rank-0 model states."""
+        shapes: dict[str, tuple] = {}
+        dtypes: dict[str, torch.dtype] = {}
+        frozen = model.get("frozen_param_shapes")
+        fragments = model.get("frozen_param_fragments") or {}
+        module = model.get("module") or {}
+        buffers = set(model.get("buffer_names") or ())
+        aliases = set((model.get("shared_params") or {}).keys())
+        if frozen is None and self.zero_stage < 3:
+            frozen = {n: t.shape for n, t in module.items() if isinstance(t, torch.Tensor)
+                      and n not in buffers and n not in aliases and n not in self._pieces}
+        for name, shape in (frozen or {}).items():
+            name, shape = str(name), tuple(int(s) for s in shape)
+            n = _numel(shape)
+            stored = fragments.get(name, module.get(name))
+            if n and not isinstance(stored, torch.Tensor):
+                raise CheckpointError(f"{self._model_file(0)}: frozen parameter {name} has no stored value")
+            shapes[name] = shape
+            dtypes[name] = stored.dtype if isinstance(stored, torch.Tensor) else torch.float32
+            if self.zero_stage == 3:
+                part = math.ceil(n / self.world_size)
+                self._pieces[name] = [_Piece(r, None, 0, r * part, min(part, n - r * part))
+                                      for r in range(self.world_size) if n - r * part > 0]
+            else:
+                self._pieces[name] = [_Piece(0, None, 0, 0, n)] if n else []
+        return shapes, dtypes
+
+    def _check_rank_layout(self, rank: int, opt: dict, path: Path) -> None:
+        """A rank's file must hold the partition sizes its rank 0 layout implies."""
+        key = "fp32_flat_groups" if self.zero_stage == 3 else "single_partition_of_fp32_groups"
+        flats = opt.get(key)
+        want = [lens[rank] for lens in self._expected_len]
+        got = [t.numel() for t in flats] if isinstance(flats, list) else None
+        if got != want:
+            raise CheckpointError(f"{path}: {key} holds partitions of {got} elements where the layout of the "
+                                  f"checkpoint (rank 0, param_shapes, {self.world_size} ranks) implies {want}")
+        counts = opt.get("partition_count")
+        counts = counts if isinstance(counts, list) else [counts]
+        if any(c != self.world_size for c in counts):
+            raise CheckpointError(f"{path}: partition_count {opt.get('partition_count')} differs from rank 0's "
+                                  f"{self.world_size}")
+
+    # ------------------------------------------------------------------ metadata
+
+    def _group_states(self, opt: dict) -> list[dict]:
+        """The base optimizer's state of every flat group (stage 1/2: param group; stage 3: sub group)."""
+        if self.zero_stage == 3:
+            base = opt["optimizer_state_dict"]
+            return [base.get("state", {}).get(s, {}) for s in range(len(self._expected_len))]
+        base = opt.get("base_optimizer_state")
+        if isinstance(base, list):
+            return [dict(s) for s in base]
+        if isinstance(base, dict):
+            groups = base.get("param_groups", [])
+            out = []
+            for g in range(len(self._expected_len)):
+                idx = groups[g]["params"][0] if g < len(groups) and groups[g].get("params") else None
+                out.append(base.get("state", {}).get(idx, {}))
+            return out
+        raise CheckpointError(f"{self._optim_file(0)}: no base optimizer state")
+
+    def _base_param_groups(self, opt: dict) -> Optional[list[dict]]:
+        base = opt.get("optimizer_state_dict") if self.zero_stage == 3 else opt.get("base_optimizer_state")
+        if isinstance(base, dict) and isinstance(base.get("param_groups"), list):
+            return base["param_groups"]
+        return None
+
+    def _fill_params(self, model: dict) -> None:
+        module = model.get("module") or {}
+        buffers = set(model.get("buffer_names") or ())
+        order = [n for n in module if n not in buffers and n not in self.aliases and n in self._pieces]
+        order += [n for n in self._pieces if n not in order]
+        opt0 = self._rank_optim(0)
+        states = self._group_states(opt0)
+        flat_dtypes = [t.dtype for t in (opt0.get("fp32_flat_groups") if self.zero_stage == 3
+                                         else opt0.get("single_partition_of_fp32_groups"))]
+        self.params = {}
+        for name in order:
+            if name in self._flat_of:
+                flat = self._flat_of[name]
+                keys = tuple(k for k, v in states[flat].items() if _is_elementwise(v))
+                self.params[name] = ParamInfo(name, self._shapes[name], flat_dtypes[flat], self._group_of[name], keys)
+            else:
+                self.params[name] = ParamInfo(name, self._frozen_shapes[name], self._frozen_dtypes[name], None, ())
+        self.aliases = {a: c for a, c in self.aliases.items() if c in self.params}
+
+    def _optimizer_info(self, opt0: dict) -> OptimizerInfo:
+        states = self._group_states(opt0)
+        groups = self._base_param_groups(opt0)
+        elementwise: list[str] = []
+        scalar: list[str] = []
+        for state in states:
+            for k, v in state.items():
+                target = elementwise if _is_elementwise(v) else scalar if _scalar(v) is not None else None
+                if target is not None and k not in target:
+                    target.append(k)
+        if "step" not in scalar and (opt0.get("base_optimizer_state_step") is not None
+                                     or any("step" in g for g in groups or [])):
+            scalar.append("step")
+        n_groups = len(groups) if groups is not None else (1 + max(self._group_of.values(), default=-1))
+        hyper = [{k: _json(v) for k, v in g.items() if k not in ("params", "step")} for g in groups] \
+            if groups is not None else [{} for _ in range(n_groups)]
+        return OptimizerInfo(type=self._optimizer_type(groups), param_groups=hyper,
+                             elementwise_keys=tuple(elementwise), scalar_keys=tuple(scalar))
+
+    def _optimizer_type(self, groups: Optional[list[dict]]) -> str:
+        block = self._ds_config.get("optimizer")
+        if isinstance(block, dict) and isinstance(block.get("type"), str):
+            name, params = block["type"], block.get("params") or {}
+            if name.lower() in ("adam", "adamw"):
+                adamw = name.lower() == "adamw" or bool(params.get("adam_w_mode", True))
+                if params.get("torch_adam"):
+                    return "AdamW" if adamw else "Adam"
+                zero = self._ds_config.get("zero_optimization") or {}
+                offload = (zero.get("offload_optimizer") or {}).get("device") if isinstance(zero, dict) else None
+                if zero.get("cpu_offload") or offload in ("cpu", "nvme"):
+                    return "DeepSpeedCPUAdam"
+                return "FusedAdam"
+            return name
+        keys = set(groups[0]) if groups else set()
+        if "decoupled_weight_decay" in keys:
+            return "AdamW" if groups[0]["decoupled_weight_decay"] else "Adam"
+        if "betas" in keys:
+            return "Adam"
+        if "momentum" in keys and "dampening" in keys:
+            return "SGD"
+        return "unknown"
+
+    def _engine_state(self, model: dict) -> EngineState:
+        steps = int(model.get("global_steps") or 0)
+        cfg = self._ds_config
+        gas = cfg.get("gradient_accumulation_steps")
+        if not isinstance(gas, int):
+            tbs, mbs = cfg.get("train_batch_size"), cfg.get("train_micro_batch_size_per_gpu")
+            gas = tbs // (mbs * self.world_size) if isinstance(tbs, int) and isinstance(mbs, int) and mbs else 1
+        return EngineState(global_steps=steps, micro_steps=steps * max(int(gas), 1),
+                           skipped_steps=int(model.get("skipped_steps") or 0),
+                           global_samples=int(model.get("global_samples") or 0))
+
+    def _loss_scaler(self, opt0: dict) -> Optional[dict]:
+        if self.compute_dtype != "fp16":
+            return None
+        scaler = opt0.get("loss_scaler")
+        skipped = self.engine_state.skipped_steps
+        fp16 = self._ds_config.get("fp16") or {}
+        scale = float(getattr(scaler, "cur_scale", fp16.get("loss_scale") or 1.0))
+        if getattr(scaler, "dynamic", False):
+            hysteresis = int(getattr(scaler, "cur_hysteresis", fp16.get("hysteresis", 2)))
+            good = int(getattr(scaler, "cur_iter", 0)) - int(getattr(scaler, "last_overflow_iter", -1)) - 1
+        else:
+            hysteresis = int(fp16.get("hysteresis", 2))
+            good = self.engine_state.global_steps - skipped
+        return {"scale": scale, "hysteresis_left": hysteresis, "good_steps": max(good, 0), "overflows": skipped}
+
+    # ------------------------------------------------------------------ reads
+
+    def _resolve(self, name: str) -> str:
+        name = self.aliases.get(name, name)
+        if name not in self.params:
+            raise CheckpointError(f"{self.describe()} has no parameter {name!r}")
+        return name
+
+    def _frozen_tensor(self, name: str, rank: int) -> torch.Tensor:
+        model = self._load(self._model_file(rank))
+        fragments = model.get("frozen_param_fragments") or {}
+        t = fragments.get(name)
+        if t is None and self.zero_stage < 3:
+            t = (model.get("module") or {}).get(name)
+        if not isinstance(t, torch.Tensor):
+            raise CheckpointError(f"{self._model_file(rank)} holds no value of frozen parameter {name}")
+        return t
+
+    def _flat_tensor(self, name: str, kind: str, piece: _Piece) -> torch.Tensor:
+        if piece.where is None:
+            return self._frozen_tensor(name, piece.rank)
+        opt = self._rank_optim(piece.rank)
+        if kind == VALUE:
+            key = "fp32_flat_groups" if self.zero_stage == 3 else "single_partition_of_fp32_groups"
+            return opt[key][piece.where]
+        t = self._group_states(opt)[piece.where].get(kind)
+        if not isinstance(t, torch.Tensor):
+            raise CheckpointError(f"{self._optim_file(piece.rank)} holds no {kind!r} state for the flat group "
+                                  f"of parameter {name}")
+        return t
+
+    def read(self, reads: list[Read]) -> None:
+        plan = []
+        for rd in reads:
+            name = self._resolve(rd.name)
+            info = self.params[name]
+            if rd.kind != VALUE and rd.kind not in info.state_keys:
+                raise CheckpointError(f"{self.describe()}: parameter {name} has no {rd.kind!r} "
+                                      f"(stored: {', '.join((VALUE,) + info.state_keys)})")
+            if not 0 <= rd.lo <= rd.hi <= info.numel:
+                raise CheckpointError(f"read of elements [{rd.lo}, {rd.hi}) of {name}, which has {info.numel}")
+            if rd.out.dim() != 1 or rd.out.numel() != rd.hi - rd.lo:
+                raise CheckpointError(f"read of {name}[{rd.lo}:{rd.hi}] into a tensor of shape {tuple(rd.out.shape)}")
+            for p in self._pieces[name]:
+                lo, hi = max(rd.lo, p.elem), min(rd.hi, p.elem + p.length)
+                if lo < hi:
+                    plan.append((p.rank, p.where is None, name, rd, p, lo, hi))
+        plan.sort(key=lambda item: (item[0], item[1]))
+        for _, _, name, rd, p, lo, hi in plan:
+            flat = self._flat_tensor(name, rd.kind, p).reshape(-1)
+            start = p.local + lo - p.elem
+            if start + hi - lo > flat.numel():
+                raise CheckpointError(f"{self.describe()}: the stored {rd.kind} of {name} ends before element "
+                                      f"{hi} (rank {p.rank} holds {flat.numel()} elements)")
+            rd.out[lo - rd.lo:hi - rd.lo].copy_(flat[start:start + hi - lo])
+
+    def scalar_state(self, name: str) -> Optional[dict[str, float]]:
+        name = self._resolve(name)
+        if name not in self._flat_of:
+            return None
+        opt0 = self._rank_optim(0)
+        state = self._group_states(opt0)[self._flat_of[name]]
+        if not state:
+            return None
+        out = {k: s for k, v in state.items() if not _is_elementwise(v) and (s := _scalar(v)) is not None}
+        if "step" not in out:
+            groups = self._base_param_groups(opt0)
+            step = opt0.get("base_optimizer_state_step")
+            if step is None and groups is not None:
+                step = groups[self._group_of[name]].get("step")
+            if _scalar(step) is not None:
+                out["step"] = _scalar(step)
+        return out
+
+    def read_buffers(self) -> dict[str, torch.Tensor]:
+        module = self._model0.get("module") or {}
+        missing = [n for n in self.buffer_names if n not in module]
+        if missing:
+            raise CheckpointError(f"{self._model_file(0)} lists buffers {missing} but holds no value for them")
+        return {n: module[n].clone() for n in self.buffer_names}
+
+    def close(self) -> None:
+        self._cache.clear()

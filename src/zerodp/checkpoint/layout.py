@@ -1,0 +1,283 @@
+"""What a checkpoint holds of an engine, and where.
+
+Every flat group is cut into one range per rank and rank ``r`` writes range ``r`` into its own
+tensor file: its shard at stages 1-3, where the group is partitioned over the ranks, and at
+stage 0, where every rank holds everything, the ``r``-th of N equal slices, so the ranks
+share the writing and the checkpoint holds each element once. For its range a rank writes:
+
+* ``g{i}.value``: the parameters' values: the fp32 master where the run keeps one (16-bit
+  training), otherwise the parameters themselves;
+* ``g{i}.state.{key}``: each elementwise optimizer state (Adam's ``exp_avg``,
+  ``exp_avg_sq``), laid out like the values (zeros where a parameter has no state);
+* in its JSON file, per parameter piece, whether it has optimizer state and its scalar
+  state (``step``).
+
+Rank 0 also writes what is not sharded: parameters the optimizer does not manage
+(``extra.{name}.value``), persistent buffers (``buffer.{name}``), and the tensors of the
+client state, optimizer hyperparameters and scheduler.
+
+The index (``index.json``, written by rank 0) maps every parameter name to its shape, dtype,
+param group, optimizer-state keys and scalars, and its pieces: ``{rank, prefix, at, start,
+stop}`` says that elements ``[start, stop)`` of the flattened parameter are elements
+``[at, at + stop - start)`` of tensor ``{prefix}.value`` (and ``{prefix}.state.{key}``) in
+that rank's file. Nothing in it depends on the world size or stage of the run that reads it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterator, Optional
+
+import torch
+
+from ..flat import FlatGroup, Piece
+from .state import encode
+from .tensorfile import TensorSpec, dtype_name
+
+if TYPE_CHECKING:
+    from ..engine import ZeroEngine
+
+FORMAT, VERSION = "zerodp", 1
+
+
+def rank_file(rank: int) -> str:
+    return f"rank{rank:05d}.safetensors"
+
+
+def rank_json(rank: int) -> str:
+    return f"rank{rank:05d}.json"
+
+
+def save_range(g: FlatGroup, rank: int, world: int) -> tuple[int, int]:
+    """Elements [lo, hi) of ``g``'s full buffer that ``rank`` writes."""
+    if g.partitions == world:
+        lo = min(rank * g.shard_numel, g.numel)
+        return lo, min(lo + g.shard_numel, g.numel)
+    size = -(-g.numel // world)
+    lo = min(rank * size, g.numel)
+    return lo, min(lo + size, g.numel)
+
+
+def model_aliases(module: torch.nn.Module) -> dict[str, str]:
+    """Every other name of a parameter registered under several names -> its first name."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return aliases
+
+
+def loose_parameters(engine: "ZeroEngine") -> dict[str, torch.nn.Parameter]:
+    """Model parameters outside every flat group (trainable ones not given to the optimizer)."""
+    managed = {id(p) for g in engine.flat_groups for p in g.params}
+    return {n: p for n, p in engine.module.named_parameters() if id(p) not in managed}
+
+
+def persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers ``module.state_dict()`` includes."""
+    out = {}
+    for mname, mod in module.named_modules():
+        skip = getattr(mod, "_non_persistent_buffers_set", set())
+        for bname, buf in mod._buffers.items():
+            if buf is not None and bname not in skip:
+                out[f"{mname}.{bname}" if mname else bname] = buf
+    return out
+
+
+def _scalar_json(value: Any) -> tuple[float, str]:
+    if isinstance(value, torch.Tensor):
+        return float(value.item()), dtype_name(value.dtype)
+    return (float(value), "int" if isinstance(value, int) else "float")
+
+
+@dataclass
+class _Part:
+    """One group's range on this rank, with its pieces' optimizer states."""
+
+    group: FlatGroup
+    lo: int
+    hi: int
+    pieces: list[Piece]
+    states: list[Optional[dict]]        # per piece: the local optimizer state, or None
+    local_offsets: list[int]            # per piece: offset of its first element in the local piece
+    keys: list[str] = field(default_factory=list)
+    state_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+
+
+class RankPlan:
+    """What this rank writes: tensor specs, their parts, and its JSON record."""
+
+    def __init__(self, engine: "ZeroEngine", *, exclude_frozen: bool = False) -> None:
+        self.engine, self.exclude_frozen = engine, exclude_frozen
+        world, rank = engine.dp_world_size, engine.dp_rank
+        self.rank, self.world = rank, world
+        self.specs: list[TensorSpec] = []
+        self._sources: dict[str, Any] = {}  # name -> tensor, or callable yielding parts
+        self.extra_tensors: dict[str, torch.Tensor] = {}
+        self.json: dict = {"rank": rank, "world_size": world, "groups": {}}
+        opt_state = engine.optimizer.state
+        self.parts: list[_Part] = []
+        for g in engine.flat_groups:
+            if exclude_frozen and not g.trainable:
+                continue
+            lo, hi = save_range(g, rank, world)
+            if lo >= hi:
+                continue
+            pieces = g.pieces_in(lo, hi)
+            local = {pc.slot: (pc, pp) for pc, pp in zip(g.pieces, g.piece_params)} if g.trainable else {}
+            states, offsets = [], []
+            for sp in pieces:
+                pc_pp = local.get(sp.slot)
+                st = opt_state.get(pc_pp[1]) if pc_pp is not None else None
+                states.append(st if st else None)
+                offsets.append(lo + sp.shard_lo - (g.shard_lo + pc_pp[0].shard_lo) if pc_pp else 0)
+            part = _Part(g, lo, hi, pieces, states, offsets)
+            self._collect_keys(part)
+            self.parts.append(part)
+            best = g.master if g.master is not None else g.shard
+            self._add(f"g{g.index}.value", best[lo - g.shard_lo:hi - g.shard_lo])
+            for key in part.keys:
+                self._add_parts(f"g{g.index}.state.{key}", part.state_dtypes[key], hi - lo,
+                                lambda part=part, key=key: self._state_parts(part, key))
+            self.json["groups"][str(g.index)] = {
+                "keys": part.keys,
+                "pieces": [None if st is None else {k: _scalar_json(v) for k, v in st.items()
+                                                    if k not in part.keys and v is not None}
+                           for st in states]}
+        self._add_unsharded()
+
+    def _collect_keys(self, part: _Part) -> None:
+        for sp, st in zip(part.pieces, part.states):
+            if st is None:
+                continue
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor) and v.dim() >= 1:
+                    if v.dim() != 1 and v.numel() != v.shape[0]:
+                        raise ValueError(f"optimizer state {k!r} has shape {tuple(v.shape)}: not elementwise")
+                    if k not in part.keys:
+                        part.keys.append(k)
+                        part.state_dtypes[k] = v.dtype
+                elif v is not None and not isinstance(v, (int, float, torch.Tensor)):
+                    raise TypeError(f"optimizer state {k!r} is a {type(v).__name__}; checkpoints store "
+                                    "tensors and numbers only")
+
+    def _state_parts(self, part: _Part, key: str) -> Iterator[torch.Tensor]:
+        dtype, pos = part.state_dtypes[key], 0
+        device = part.group.device
+        for sp, st, off in zip(part.pieces, part.states, part.local_offsets):
+            if sp.shard_lo > pos:
+                yield torch.zeros(sp.shard_lo - pos, dtype=dtype, device=device)
+            n = sp.shard_hi - sp.shard_lo
+            value = None if st is None else st.get(key)
+            if value is None:
+                yield torch.zeros(n, dtype=dtype, device=device)
+            else:
+                yield value.reshape(-1)[off:off + n].to(dtype)
+            pos = sp.shard_hi
+        if part.hi - part.lo > pos:
+            yield torch.zeros(part.hi - part.lo - pos, dtype=dtype, device=device)
+
+    def _add(self, name: str, tensor: torch.Tensor) -> None:
+        self.specs.append(TensorSpec(name, tensor.dtype, (tensor.numel(),)))
+        self._sources[name] = tensor
+
+    def _add_parts(self, name: str, dtype: torch.dtype, numel: int, parts) -> None:
+        self.specs.append(TensorSpec(name, dtype, (numel,)))
+        self._sources[name] = parts
+
+    def add_whole(self, name: str, tensor: torch.Tensor) -> None:
+        """A tensor written whole, with its shape (rank 0's extras, client tensors, RNG)."""
+        t = tensor.detach()
+        self.specs.append(TensorSpec(name, t.dtype, tuple(t.shape)))
+        self._sources[name] = t.reshape(-1)
+
+    def parts_of(self, name: str) -> Iterator[torch.Tensor]:
+        src = self._sources[name]
+        if isinstance(src, torch.Tensor):
+            yield src
+        else:
+            yield from src()
+
+    # -- index (rank 0) -----------------------------------------------------------------
+
+    def index_skeleton(self) -> dict:
+        """The index without what only the other ranks know (state keys, scalars, file records)."""
+        engine, world, exclude_frozen = self.engine, self.world, self.exclude_frozen
+        params: dict[str, dict] = {}
+        for g in engine.flat_groups:
+            if exclude_frozen and not g.trainable:
+                continue
+            value_dtype = torch.float32 if engine.precision.keeps_master(g.dtype) and g.trainable else g.dtype
+            for s in g.slots:
+                params[s.name] = {"shape": list(s.shape), "dtype": dtype_name(value_dtype),
+                                  "param_group": g.param_group if g.trainable else None,
+                                  "state_keys": [], "scalars": None, "pieces": []}
+            for r in range(world):
+                lo, hi = save_range(g, r, world)
+                for sp in g.pieces_in(lo, hi):
+                    params[g.slots[sp.slot].name]["pieces"].append(
+                        {"rank": r, "prefix": f"g{g.index}", "at": sp.shard_lo, "start": sp.param_lo,
+                         "stop": sp.param_lo + sp.shard_hi - sp.shard_lo, "group": g.index, "piece": None})
+        # number each piece within its (rank, group) so rank records can be merged
+        counters: dict[tuple[int, int], int] = {}
+        for entry in params.values():
+            for pc in entry["pieces"]:
+                k = (pc["rank"], pc["group"])
+                pc["piece"] = counters.get(k, 0)
+                counters[k] = pc["piece"] + 1
+        order = [n for n, _ in engine.module.named_parameters() if n in params or n in self.loose]
+        for name, p in self.loose.items():
+            params[name] = {"shape": list(p.shape), "dtype": dtype_name(p.dtype), "param_group": None,
+                            "state_keys": [], "scalars": None,
+                            "pieces": [{"rank": 0, "prefix": f"extra.{name}", "at": 0, "start": 0,
+                                        "stop": p.numel(), "group": None, "piece": None}]}
+        return {"format": FORMAT, "version": VERSION, "world_size": world,
+                "zero_stage": engine.zero_stage, "compute_dtype": engine.config.compute_dtype,
+                "params": {n: params[n] for n in order},
+                "aliases": model_aliases(engine.module),
+                "buffers": {n: {"shape": list(b.shape), "dtype": dtype_name(b.dtype)}
+                            for n, b in self.buffers.items()}}
+
+    def _add_unsharded(self) -> None:
+        """Rank 0 writes the unsharded tensors: loose parameters and persistent buffers."""
+        self.loose = {n: p for n, p in loose_parameters(self.engine).items()
+                      if not (self.exclude_frozen and not p.requires_grad)}
+        self.buffers = persistent_buffers(self.engine.module)
+        if self.rank == 0:
+            for name, p in self.loose.items():
+                self.add_whole(f"extra.{name}.value", p.detach())
+            for name, b in self.buffers.items():
+                self.add_whole(f"buffer.{name}", b)
+
+
+def merge_rank_records(index: dict, records: list[dict]) -> None:
+    """Put the ranks' optimizer-state keys and scalars into the index's parameter entries."""
+    by_piece: dict[tuple[int, int, int], tuple[list[str], Optional[dict]]] = {}
+    for rec in records:
+        for gi, grp in rec["groups"].items():
+            for k, scalars in enumerate(grp["pieces"]):
+                by_piece[(rec["rank"], int(gi), k)] = (grp["keys"], scalars)
+    for name, entry in index["params"].items():
+        for pc in entry["pieces"]:
+            if pc["group"] is None:
+                continue
+            keys, scalars = by_piece.get((pc["rank"], pc["group"], pc["piece"]), ([], None))
+            if scalars is None:
+                continue
+            if entry["scalars"] is None:
+                entry["scalars"] = {k: v[0] for k, v in scalars.items()}
+                entry["scalar_types"] = {k: v[1] for k, v in scalars.items()}
+                entry["state_keys"] = list(keys)
+            elif set(keys) != set(entry["state_keys"]):
+                raise ValueError(f"parameter {name}: optimizer state keys differ between its pieces "
+                                 f"({entry['state_keys']} and {keys})")
+
+
+def optimizer_record(engine: "ZeroEngine", tensors: dict[str, torch.Tensor]) -> dict:
+    """The optimizer's class and hyperparameters per param group (JSON; tensors to ``tensors``)."""
+    opt = engine.optimizer
+    groups = [{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in opt.param_groups]
+    return {"type": type(opt).__name__, "module": type(opt).__module__,
+            "param_groups": encode(groups, tensors, "optim.", "optimizer param_groups")}

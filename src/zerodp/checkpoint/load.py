@@ -1,0 +1,426 @@
+"""Loading: find the checkpoint, open it as a ``Source``, and reshard it into an engine.
+
+:func:`resolve_tag_dir` turns ``(load_dir, tag)`` into a tag directory (``latest`` names the
+newest tag). :func:`open_source` opens it as zerodp's format (``ZerodpSource``, here) or
+DeepSpeed's (``deepspeed.DeepSpeedSource``). :func:`load_into_engine` then fills an engine of
+any world size and stage from it:
+
+1. every rank checks the checkpoint against its model (names, shapes, optimizer) and reads
+   what its shard needs into new tensors: for each parameter piece of its flat groups the
+   value and the optimizer states, by element range, so each rank reads only its share;
+2. the ranks agree that every rank succeeded (``coord.py``); on failure all raise and no
+   engine has changed;
+3. every rank puts what it read in place: fp32 masters (16-bit parameters rounded from them),
+   optimizer state, then the all-gather that completes the full parameters at stages 1-2;
+   the scheduler, loss scale, counters, RNG states (same world size only) and the
+   data-loader position follow.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from .coord import Coordinator
+from .layout import FORMAT, loose_parameters, model_aliases, persistent_buffers, rank_file, rank_json
+from .save import INDEX, LATEST
+from .source import VALUE, CheckpointError, EngineState, OptimizerInfo, ParamInfo, Read, Source
+from .state import decode, restore_rng
+from .tensorfile import FileRecord, TensorFile, _Checksum, dtype_from_name
+
+if TYPE_CHECKING:
+    from ..engine import ZeroEngine
+
+logger = logging.getLogger("zerodp")
+
+
+# -- finding the checkpoint -------------------------------------------------------------------
+
+def _natural(name: str) -> list:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def list_tags(load_dir: Path) -> list[str]:
+    """Tag directories in ``load_dir`` that hold a complete checkpoint (zerodp's or DeepSpeed's)."""
+    from .deepspeed import is_deepspeed_checkpoint
+    if not load_dir.is_dir():
+        return []
+    tags = [d.name for d in load_dir.iterdir() if d.is_dir() and not d.name.startswith(".")
+            and ((d / INDEX).is_file() or is_deepspeed_checkpoint(d))]
+    return sorted(tags, key=_natural)
+
+
+def resolve_tag_dir(load_dir, tag: Optional[str] = None) -> Optional[Path]:
+    """The tag directory to load, or None when ``tag`` is None and there is no ``latest``."""
+    load_dir = Path(load_dir)
+    for stale in sorted(load_dir.glob(".*.partial")) if load_dir.is_dir() else []:
+        logger.warning("ignoring %s: an incomplete save left by an interrupted run (the next save "
+                       "removes it)", stale)
+    if tag is None:
+        latest = load_dir / LATEST
+        if not latest.is_file():
+            return None
+        tag = latest.read_text(encoding="utf-8").strip()
+        if not tag:
+            raise CheckpointError(f"{latest} is empty; pass tag= (tags in {load_dir}: "
+                                  f"{', '.join(list_tags(load_dir)) or 'none'})")
+    tag = str(tag)
+    d = load_dir / tag
+    if d.is_dir():
+        return d
+    old = load_dir / f".{tag}.old"
+    if (old / INDEX).is_file():
+        logger.warning("checkpoint %s is missing but %s, its previous version, is complete (a save of "
+                       "the same tag was interrupted); loading that", d, old)
+        return old
+    tags = list_tags(load_dir)
+    raise CheckpointError(f"no checkpoint tag {tag!r} in {load_dir}; tags there: "
+                          f"{', '.join(tags) if tags else 'none'}")
+
+
+def open_source(tag_dir: Path) -> Source:
+    """The checkpoint in ``tag_dir``, whichever engine wrote it."""
+    if (tag_dir / INDEX).is_file():
+        return ZerodpSource(tag_dir)
+    from .deepspeed import DeepSpeedSource, is_deepspeed_checkpoint
+    if is_deepspeed_checkpoint(tag_dir):
+        return DeepSpeedSource(tag_dir)
+    listing = sorted(p.name for p in tag_dir.iterdir())[:12] if tag_dir.is_dir() else []
+    raise CheckpointError(f"{tag_dir} is not a complete checkpoint: no {INDEX} (zerodp) and no DeepSpeed "
+                          f"model-states file; it holds: {', '.join(listing) or 'nothing'}")
+
+
+# -- zerodp's format ----------------------------------------------------------------------------
+
+class ZerodpSource(Source):
+    """A checkpoint in zerodp's format (see ``layout.py``)."""
+
+    kind = "zerodp"
+
+    def __init__(self, tag_dir: Path) -> None:
+        self.path = Path(tag_dir)
+        try:
+            index = json.loads((self.path / INDEX).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{self.path / INDEX}: cannot be read ({e})") from None
+        if index.get("format") != FORMAT:
+            raise CheckpointError(f"{self.path / INDEX}: not a zerodp checkpoint index")
+        self.index = index
+        self.tag = index.get("tag", self.path.name)
+        self.world_size, self.zero_stage = int(index["world_size"]), int(index["zero_stage"])
+        self.compute_dtype = index["compute_dtype"]
+        self._records = {name: FileRecord.from_json(r) for name, r in index["files"].items()}
+        for r in range(self.world_size):
+            for name in (rank_file(r), rank_json(r)):
+                if name not in self._records:
+                    raise CheckpointError(f"{self.path / INDEX}: no record of {name}")
+                if not (self.path / name).is_file():
+                    raise CheckpointError(f"{self.path / name} is missing: the checkpoint was written by "
+                                          f"{self.world_size} ranks and each wrote one such file")
+        self._files: dict[str, TensorFile] = {}
+        self.params = {}
+        for name, e in index["params"].items():
+            self.params[name] = ParamInfo(name, tuple(e["shape"]), dtype_from_name(e["dtype"]),
+                                          e["param_group"], tuple(e.get("state_keys") or ()))
+        self.aliases = dict(index.get("aliases", {}))
+        opt = index.get("optimizer")
+        if opt is not None:
+            keys = [k for e in index["params"].values() for k in e.get("state_keys") or ()]
+            scalars = [k for e in index["params"].values() for k in (e.get("scalars") or {})]
+            self.optimizer = OptimizerInfo(opt["type"], decode(opt["param_groups"], self._rank0_tensor),
+                                           tuple(dict.fromkeys(keys)), tuple(dict.fromkeys(scalars)))
+        else:
+            self.optimizer = None
+        self.engine_state = EngineState(**{k: int(index["engine"].get(k, 0)) for k in
+                                           ("global_steps", "micro_steps", "skipped_steps", "global_samples")})
+        self.lr_scheduler = decode(index.get("lr_scheduler"), self._rank0_tensor)
+        self.loss_scaler = index.get("loss_scaler")
+        self.data_loader = index.get("data_loader")
+        self.client_state = decode(index.get("client_state", {}), self._rank0_tensor)
+        self.buffer_names = tuple(index.get("buffers", {}))
+
+    def file(self, name: str) -> TensorFile:
+        if name not in self._files:
+            self._files[name] = TensorFile(self.path / name, self._records[name])
+        return self._files[name]
+
+    def _rank0_tensor(self, key: str) -> torch.Tensor:
+        return self.file(rank_file(0)).read(key)
+
+    def rank_record(self, rank: int) -> dict:
+        """Rank ``rank``'s JSON record (its RNG state), checked against the index."""
+        name = rank_json(rank)
+        raw = (self.path / name).read_bytes()
+        rec = self._records[name]
+        crc = _Checksum()
+        crc.update(memoryview(raw))
+        if len(raw) != rec.bytes or crc.finish() != rec.crc32:
+            raise CheckpointError(f"{self.path / name}: size or checksum differs from the index: the "
+                                  "file is corrupted")
+        return json.loads(raw)
+
+    def read(self, reads: list[Read]) -> None:
+        per_file: dict[str, list] = {}
+        for rd in reads:
+            info = self.params.get(rd.name)
+            if info is None:
+                raise CheckpointError(f"{self.path}: no parameter {rd.name!r}")
+            if rd.kind != VALUE and rd.kind not in info.state_keys:
+                raise CheckpointError(f"{self.path}: parameter {rd.name!r} has no optimizer state {rd.kind!r}")
+            suffix = "value" if rd.kind == VALUE else f"state.{rd.kind}"
+            for pc in self.index["params"][rd.name]["pieces"]:
+                a, b = max(rd.lo, pc["start"]), min(rd.hi, pc["stop"])
+                if a >= b:
+                    continue
+                at = pc["at"] + a - pc["start"]
+                per_file.setdefault(rank_file(pc["rank"]), []).append(
+                    (f"{pc['prefix']}.{suffix}", at, at + b - a, rd.out[a - rd.lo:b - rd.lo]))
+        for name, requests in sorted(per_file.items()):
+            self.file(name).read_ranges(requests)
+
+    def scalar_state(self, name: str) -> Optional[dict[str, float]]:
+        return self.index["params"][name].get("scalars")
+
+    def scalar_types(self, name: str) -> dict[str, str]:
+        return self.index["params"][name].get("scalar_types") or {}
+
+    def read_buffers(self) -> dict[str, torch.Tensor]:
+        f = self.file(rank_file(0))
+        return {name: f.read(f"buffer.{name}") for name in self.buffer_names}
+
+    @property
+    def rng_states(self) -> None:  # per rank, read on demand by rank_record()
+        return None
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+
+# -- resharding into an engine ------------------------------------------------------------------
+
+_ADAM_FAMILY = {"adam", "adamw", "fusedadam", "deepspeedcpuadam", "cpuadam", "adamwschedulefree"}
+
+
+def _family(name: str) -> str:
+    key = name.lower().replace("_", "")
+    return "adam" if key in _ADAM_FAMILY else key
+
+
+class _Plan:
+    """What one rank reads and where it goes (phase 1 of ``load_into_engine``)."""
+
+    def __init__(self) -> None:
+        self.values: list[tuple[Any, Any, torch.Tensor]] = []      # (group, piece, tensor)
+        self.states: dict[int, dict[str, Any]] = {}                 # id(piece param) -> state
+        self.piece_params: dict[int, torch.nn.Parameter] = {}
+        self.loose: dict[str, torch.Tensor] = {}
+        self.buffers: dict[str, torch.Tensor] = {}
+
+
+def _match_names(engine: "ZeroEngine", src: Source, strict: bool) -> dict[str, str]:
+    """Model parameter name -> the checkpoint's name for it; raises on mismatch (strict)."""
+    module = engine.module
+    model_alias = model_aliases(module)
+    names = [n for n, _ in module.named_parameters()]
+    shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
+    for g in engine.flat_groups:  # stage 3: the module's parameters are empty views
+        for s in g.slots:
+            shapes[s.name] = tuple(s.shape)
+    others: dict[str, list[str]] = {}
+    for alias, canon in model_alias.items():
+        others.setdefault(canon, []).append(alias)
+    mapping, missing, wrong = {}, [], []
+    for n in names:
+        found = None
+        for cand in [n, *others.get(n, [])]:
+            if cand in src.params:
+                found = cand
+                break
+            if cand in src.aliases and src.aliases[cand] in src.params:
+                found = src.aliases[cand]
+                break
+        if found is None:
+            missing.append(n)
+            continue
+        if tuple(src.params[found].shape) != shapes[n]:
+            wrong.append(f"{n}: checkpoint {tuple(src.params[found].shape)}, model {shapes[n]}")
+            continue
+        mapping[n] = found
+    used = set(mapping.values())
+    unexpected = [n for n in src.params if n not in used]
+    if wrong or (strict and (missing or unexpected)):
+        parts = []
+        if wrong:
+            parts.append(f"shapes differ for {len(wrong)}: " + "; ".join(wrong[:10]))
+        if strict and missing:
+            parts.append(f"{len(missing)} model parameters are not in the checkpoint: " + ", ".join(missing[:10])
+                         + (" ..." if len(missing) > 10 else ""))
+        if strict and unexpected:
+            parts.append(f"{len(unexpected)} checkpoint parameters are not in the model: "
+                         + ", ".join(unexpected[:10]) + (" ..." if len(unexpected) > 10 else ""))
+        raise CheckpointError(f"{src.describe()} does not fit this model: " + "; ".join(parts)
+                              + ("" if wrong else " (load_module_strict=False loads the parameters both have)"))
+    return mapping
+
+
+def _check_optimizer(engine: "ZeroEngine", src: Source) -> None:
+    if src.optimizer is None:
+        raise CheckpointError(f"{src.describe()} holds no optimizer state; pass load_optimizer_states=False")
+    mine, theirs = type(engine.optimizer).__name__, src.optimizer.type
+    if _family(mine) != _family(theirs):
+        raise CheckpointError(f"{src.describe()} holds the state of a {theirs} optimizer "
+                              f"(state: {', '.join(src.optimizer.elementwise_keys + src.optimizer.scalar_keys) or 'none'}); "
+                              f"this run's optimizer is {mine}. Use the same optimizer type, or pass "
+                              "load_optimizer_states=False to load the weights only")
+    n_mine, n_theirs = len(engine.optimizer.param_groups), len(src.optimizer.param_groups)
+    if n_mine != n_theirs:
+        raise CheckpointError(f"{src.describe()} has {n_theirs} optimizer param groups, this run has "
+                              f"{n_mine}; build the optimizer with the same param groups")
+
+
+def _read_plan(engine: "ZeroEngine", src: Source, mapping: dict[str, str], with_optimizer: bool) -> _Plan:
+    plan, reads = _Plan(), []
+    for g in engine.flat_groups:
+        value_dtype = torch.float32 if g.master is not None else g.dtype
+        pps = g.piece_params if g.trainable else [None] * len(g.pieces)
+        for pc, pp in zip(g.pieces, pps):
+            name = g.slots[pc.slot].name
+            if name not in mapping:
+                continue
+            cname, n = mapping[name], pc.shard_hi - pc.shard_lo
+            out = torch.empty(n, dtype=value_dtype, device=g.device)
+            reads.append(Read(cname, VALUE, pc.param_lo, pc.param_lo + n, out))
+            plan.values.append((g, pc, out))
+            info = src.params[cname]
+            if not (with_optimizer and pp is not None and info.state_keys):
+                continue
+            state: dict[str, Any] = {}
+            for key in info.state_keys:
+                buf = torch.empty(n, dtype=pp.dtype, device=pp.device)
+                reads.append(Read(cname, key, pc.param_lo, pc.param_lo + n, buf))
+                state[key] = buf
+            scalars = src.scalar_state(cname) or {}
+            types = src.scalar_types(cname) if hasattr(src, "scalar_types") else {}
+            for key, v in scalars.items():
+                kind = types.get(key, "float32")
+                state[key] = (int(v) if kind == "int" else float(v)) if kind in ("int", "float") \
+                    else torch.tensor(v, dtype=dtype_from_name(kind))
+            plan.states[id(pp)] = state
+            plan.piece_params[id(pp)] = pp
+    for name, p in loose_parameters(engine).items():
+        cname = mapping.get(name)
+        if cname is not None:
+            out = torch.empty(p.numel(), dtype=src.params[cname].dtype)
+            reads.append(Read(cname, VALUE, 0, p.numel(), out))
+            plan.loose[name] = out
+    src.read(reads)
+    wanted = persistent_buffers(engine.module)
+    if src.buffer_names:
+        got = src.read_buffers()
+        for name, buf in wanted.items():
+            if name in got:
+                if tuple(got[name].shape) != tuple(buf.shape):
+                    raise CheckpointError(f"{src.describe()}: buffer {name} has shape {tuple(got[name].shape)}, "
+                                          f"the model's {tuple(buf.shape)}")
+                plan.buffers[name] = got[name]
+    return plan
+
+
+def _lr_scheduler_state(engine: "ZeroEngine", state: dict) -> dict:
+    """DeepSpeed schedulers save ``{"last_batch_iteration": i}``; zerodp's take torch's format."""
+    if "last_batch_iteration" in state and "last_epoch" not in state:
+        current = engine.lr_scheduler.state_dict()
+        current["last_epoch"] = int(state["last_batch_iteration"]) + 1
+        current["_step_count"] = current["last_epoch"] + 1
+        return current
+    return state
+
+
+def load_into_engine(engine: "ZeroEngine", src: Source, *, strict: bool = True,
+                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                     load_module_only: bool = False) -> dict:
+    """Fill ``engine`` from ``src`` (see module docstring); returns the client state."""
+    coord = Coordinator(engine.comm)
+    with_optimizer = load_optimizer_states and not load_module_only
+    err, plan = None, None
+    try:
+        mapping = _match_names(engine, src, strict)
+        if with_optimizer:
+            _check_optimizer(engine, src)
+        plan = _read_plan(engine, src, mapping, with_optimizer)
+        rng = None
+        if not load_module_only and isinstance(src, ZerodpSource) and src.world_size == engine.dp_world_size:
+            rng = src.rank_record(engine.dp_rank).get("rng")
+    except Exception as e:  # noqa: BLE001 - reported to every rank
+        err = e
+    coord.agree(err, f"loading {src.describe()}")
+
+    for unit in engine.units:
+        unit.release()
+    with torch.no_grad():
+        for g, pc, value in plan.values:
+            target = g.master if g.master is not None else g.shard
+            target[pc.shard_lo:pc.shard_hi].copy_(value)
+        for g in engine.flat_groups:
+            g.write_back_master()
+            if not g.shards_parameters and g.partitions > 1:
+                engine.comm.all_gather(g.full)
+        params = dict(engine.module.named_parameters())
+        for name, value in plan.loose.items():
+            params[name].copy_(value.view_as(params[name]))
+        buffers = persistent_buffers(engine.module)
+        for name, value in plan.buffers.items():
+            buffers[name].copy_(value)
+    engine.zero_grad()
+    if not load_module_only:
+        if with_optimizer:
+            _load_optimizer(engine, src, plan)
+        if load_lr_scheduler_states and engine.lr_scheduler is not None and src.lr_scheduler is not None:
+            engine.lr_scheduler.load_state_dict(_lr_scheduler_state(engine, src.lr_scheduler))
+        if engine.loss_scaler is not None and src.loss_scaler is not None:
+            engine.loss_scaler.load_state_dict(src.loss_scaler)
+        st = src.engine_state
+        engine.global_steps = st.global_steps
+        # a checkpoint is taken at an accumulation boundary; this run's accumulation may differ
+        engine.micro_steps = st.global_steps * engine.gradient_accumulation_steps()
+        engine._skipped_steps = st.skipped_steps
+        if rng is not None:
+            restore_rng(rng, lambda key: src.file(rank_file(engine.dp_rank)).read(key))
+        elif engine.dp_rank == 0 and isinstance(src, ZerodpSource):
+            logger.info("RNG states not restored: the checkpoint was written by %d ranks, this run has %d",
+                        src.world_size, engine.dp_world_size)
+        loader = getattr(engine, "training_dataloader", None)
+        if src.data_loader is not None and hasattr(loader, "load_state_dict"):
+            loader.load_state_dict(src.data_loader)
+    return src.client_state
+
+
+def _load_optimizer(engine: "ZeroEngine", src: Source, plan: _Plan) -> None:
+    opt = engine.optimizer
+    current = opt.state_dict()
+    index_of = {}
+    k = 0
+    for group in opt.param_groups:
+        for p in group["params"]:
+            index_of[id(p)] = k
+            k += 1
+    state = {index_of[pid]: st for pid, st in plan.states.items()}
+    groups = []
+    for mine, theirs in zip(current["param_groups"], src.optimizer.param_groups):
+        g = dict(mine)
+        for key, value in theirs.items():
+            if key in mine or key == "initial_lr":
+                old = mine.get(key)
+                if isinstance(old, tuple) and isinstance(value, list):
+                    value = tuple(value)
+                if isinstance(old, torch.Tensor) and not isinstance(value, torch.Tensor):
+                    value = torch.tensor(value, dtype=old.dtype)
+                g[key] = value
+        groups.append(g)
+    opt.load_state_dict({"state": state, "param_groups": groups})

@@ -1,0 +1,315 @@
+"""Saving: every rank writes its own file in parallel; rank 0 commits the whole atomically.
+
+A save of tag ``T`` into ``DIR`` goes:
+
+1. every rank plans what it writes (``layout.RankPlan``) and rank 0 the index; the ranks agree
+   that all plans worked and that they save the same tag;
+2. rank 0 makes ``DIR/.T.partial/`` (removing what an interrupted save left there);
+3. every rank writes ``rankNNNNN.safetensors`` (its shard, checksummed while written) and
+   ``rankNNNNN.json`` (its optimizer scalars, RNG state, the file's checksums) and fsyncs them;
+4. rank 0 reads the ranks' records into ``index.json``, fsyncs it, renames the directory to
+   ``DIR/T`` (a previous ``DIR/T`` is moved to ``DIR/.T.old`` first and removed after) and
+   replaces ``DIR/latest`` by a new file naming ``T``.
+
+Each step ends with an agreement (``coord.py``), so when a rank fails every rank raises. A
+process killed at any point leaves ``DIR/latest`` and the checkpoint it names untouched:
+until the final renames nothing outside ``.T.partial`` changed, and each rename is atomic.
+Loading never looks at ``.partial`` directories; the next save removes them.
+
+With ``async_save``, steps 3-4 run in a background thread from a host copy of this rank's
+tensors (staged before ``save_checkpoint`` returns: pinned memory on CUDA), with their own
+gloo group; training goes on meanwhile. The copy costs host memory equal to this rank's file
+and is freed when written. The next save, a load, ``engine.wait_for_checkpoint()`` and
+``engine.destroy()`` wait for a save in flight and raise its error, if it had one.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+import zlib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
+
+import torch
+
+from .coord import Coordinator
+from .layout import RankPlan, merge_rank_records, optimizer_record, rank_file, rank_json
+from .source import CheckpointError
+from .state import capture_rng, encode
+from .tensorfile import FileRecord, TensorWriter, _Checksum
+
+if TYPE_CHECKING:
+    from ..engine import ZeroEngine
+
+logger = logging.getLogger("zerodp")
+
+INDEX = "index.json"
+LATEST = "latest"
+#: Bytes per copy from device memory to the host while writing synchronously.
+HOST_CHUNK = 64 << 20
+
+
+def check_tag(tag: str) -> None:
+    if not tag or "/" in tag or "\\" in tag or tag.startswith(".") or tag != tag.strip():
+        raise ValueError(f"checkpoint tag {tag!r}: a tag is a non-empty directory name that does not "
+                         "start with '.' (reserved for saves in progress) and holds no '/'")
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_durably(path: Path, data: Any) -> FileRecord:
+    raw = json.dumps(data, indent=1, allow_nan=True).encode("utf-8")
+    with open(path, "wb") as f:
+        f.write(raw)
+        f.flush()
+        os.fsync(f.fileno())
+    crc = _Checksum()
+    crc.update(memoryview(raw))
+    return FileRecord(bytes=len(raw), crc32=crc.finish())
+
+
+def write_latest(save_dir: Path, tag: str) -> None:
+    """Replace ``save_dir/latest`` atomically by a file holding ``tag``."""
+    tmp = save_dir / ".latest.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(tag)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, save_dir / LATEST)
+    fsync_dir(save_dir)
+
+
+def _host_parts(parts: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """``parts`` as CPU tensors: device tensors go through one reused (pinned) host buffer,
+    a chunk at a time (the writer consumes each before the next is asked for)."""
+    buf: Optional[torch.Tensor] = None
+    for part in parts:
+        if part.device.type == "cpu":
+            yield part
+            continue
+        flat = part.reshape(-1)
+        step = max(1, HOST_CHUNK // flat.element_size())
+        for i in range(0, flat.numel(), step):
+            piece = flat[i:i + step]
+            nbytes = piece.numel() * piece.element_size()
+            if buf is None or buf.numel() < nbytes:
+                buf = torch.empty(max(nbytes, HOST_CHUNK), dtype=torch.uint8, pin_memory=True)
+            host = buf[:nbytes].view(piece.dtype)
+            host.copy_(piece, non_blocking=True)
+            torch.cuda.current_stream(part.device).synchronize()
+            yield host
+
+
+def _stage(plan: RankPlan) -> dict[str, torch.Tensor]:
+    """Host copies of everything this rank writes (for an asynchronous save)."""
+    staged = {}
+    for spec in plan.specs:
+        parts = list(plan.parts_of(spec.name))
+        pin = any(p.device.type == "cuda" for p in parts)
+        out = torch.empty(spec.numel, dtype=spec.dtype, pin_memory=pin)
+        pos = 0
+        for p in parts:
+            n = p.numel()
+            out[pos:pos + n].copy_(p.reshape(-1), non_blocking=pin)
+            pos += n
+        staged[spec.name] = out
+    if any(t.is_pinned() for t in staged.values()):
+        torch.cuda.synchronize()
+    return staged
+
+
+class _Job:
+    """Everything steps 3-4 need, detached from the engine."""
+
+    def __init__(self, plan: RankPlan, index: Optional[dict], save_dir: Path, tag: str,
+                 save_latest: bool, staged: Optional[dict[str, torch.Tensor]]) -> None:
+        self.specs, self.rank_json, self.index = plan.specs, plan.json, index
+        self.rank, self.world = plan.rank, plan.world
+        self.save_dir, self.tag, self.save_latest = save_dir, tag, save_latest
+        self.partial = save_dir / f".{tag}.partial"
+        self.staged = staged
+        self._plan = None if staged is not None else plan
+        self.nbytes = sum(s.nbytes for s in plan.specs)
+
+    def parts(self, name: str) -> Iterator[torch.Tensor]:
+        if self.staged is not None:
+            yield self.staged[name]
+        else:
+            yield from _host_parts(self._plan.parts_of(name))
+
+    def write_rank(self) -> None:
+        writer = TensorWriter(self.partial / rank_file(self.rank), self.specs,
+                              metadata={"format": "zerodp", "rank": str(self.rank)})
+        try:
+            for spec in writer.order:
+                writer.write(spec.name, self.parts(spec.name))
+        except BaseException:
+            writer.abort()
+            raise
+        self.rank_json["file"] = writer.close().to_json()
+        write_json_durably(self.partial / rank_json(self.rank), self.rank_json)
+        self.staged = None  # free the host copy
+
+    def commit(self) -> None:
+        """Rank 0: the index, the rename, ``latest``."""
+        index, files = self.index, {}
+        records = []
+        for r in range(self.world):
+            raw = (self.partial / rank_json(r)).read_bytes()
+            rec = json.loads(raw)
+            records.append(rec)
+            files[rank_file(r)] = rec["file"]
+            crc = _Checksum()
+            crc.update(memoryview(raw))
+            files[rank_json(r)] = FileRecord(bytes=len(raw), crc32=crc.finish()).to_json()
+        merge_rank_records(index, records)
+        index["files"] = files
+        write_json_durably(self.partial / INDEX, index)
+        fsync_dir(self.partial)
+        final, old = self.save_dir / self.tag, self.save_dir / f".{self.tag}.old"
+        if final.exists():
+            if old.exists():
+                shutil.rmtree(old)
+            os.rename(final, old)
+        os.rename(self.partial, final)
+        fsync_dir(self.save_dir)
+        if old.exists():
+            shutil.rmtree(old, ignore_errors=True)
+        if self.save_latest:
+            write_latest(self.save_dir, self.tag)
+
+    def run(self, coord: Coordinator) -> None:
+        t0 = time.perf_counter()
+        err = None
+        try:
+            self.write_rank()
+        except Exception as e:  # noqa: BLE001 - reported to every rank
+            err = e
+        try:
+            coord.agree(err, f"writing checkpoint {self.save_dir / self.tag}")
+            err = None
+            if self.rank == 0:
+                try:
+                    self.commit()
+                except Exception as e:  # noqa: BLE001
+                    err = e
+            coord.agree(err, f"committing checkpoint {self.save_dir / self.tag}")
+        except BaseException:
+            if self.rank == 0:
+                shutil.rmtree(self.partial, ignore_errors=True)
+            raise
+        if self.rank == 0:
+            dt = time.perf_counter() - t0
+            logger.info("saved checkpoint %s (rank 0 wrote %.1f MiB in %.2f s)",
+                        self.save_dir / self.tag, self.nbytes / 2**20, dt)
+
+
+class Checkpointer:
+    """An engine's saves: at most one asynchronous save in flight."""
+
+    def __init__(self, engine: "ZeroEngine") -> None:
+        self.engine = engine
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+        self._what = ""
+
+    def wait(self) -> None:
+        """Wait for a save in flight; raise its error if it failed."""
+        if self._thread is None:
+            return
+        self._thread.join()
+        self._thread = None
+        err, self._error = self._error, None
+        if err is not None:
+            raise CheckpointError(f"asynchronous save of {self._what} failed: {err}") from err
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def save(self, save_dir, tag: Optional[str] = None, client_state: Optional[dict] = None,
+             save_latest: bool = True, exclude_frozen_parameters: bool = False,
+             async_save: bool = False) -> bool:
+        self.wait()
+        engine = self.engine
+        save_dir = Path(save_dir)
+        tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+        coord = Coordinator(engine.comm)
+        err, plan, index = None, None, None
+        try:
+            check_tag(tag)
+            plan = RankPlan(engine, exclude_frozen=exclude_frozen_parameters)
+            rng_tensors: dict[str, torch.Tensor] = {}
+            plan.json["rng"] = capture_rng(rng_tensors)
+            for k, v in rng_tensors.items():
+                plan.add_whole(k, v)
+            if engine.dp_rank == 0:
+                index = self._index(plan, tag, client_state)
+        except Exception as e:  # noqa: BLE001 - reported to every rank
+            err = e
+        coord.agree(err, f"saving checkpoint {tag!r}")
+        tags = coord.same_everywhere(zlib.crc32(tag.encode()))
+        if len(set(tags)) > 1:
+            raise CheckpointError(f"save_checkpoint: the ranks passed different tags (this rank: {tag!r}); "
+                                  "pass the same tag on every rank, or none")
+        err = None
+        if engine.dp_rank == 0:
+            try:
+                save_dir.mkdir(parents=True, exist_ok=True)
+                for stale in sorted(save_dir.glob(".*.partial")):
+                    logger.warning("removing %s, an incomplete save left by an interrupted run", stale)
+                    shutil.rmtree(stale)
+                (save_dir / f".{tag}.partial").mkdir()
+            except Exception as e:  # noqa: BLE001
+                err = e
+        coord.agree(err, f"creating checkpoint directory {save_dir / tag}")
+        if not async_save:
+            _Job(plan, index, save_dir, tag, save_latest, staged=None).run(coord)
+            return True
+        job = _Job(plan, index, save_dir, tag, save_latest, staged=_stage(plan))
+        background = Coordinator(engine.comm, separate=True)
+        self._what = str(save_dir / tag)
+
+        def run() -> None:
+            try:
+                job.run(background)
+            except BaseException as e:  # noqa: BLE001 - raised by wait()
+                self._error = e
+                logger.error("asynchronous save of %s failed: %s", save_dir / tag, e)
+        self._thread = threading.Thread(target=run, name="zerodp-checkpoint", daemon=False)
+        self._thread.start()
+        return True
+
+    def _index(self, plan: RankPlan, tag: str, client_state: Optional[dict]) -> dict:
+        engine = self.engine
+        tensors: dict[str, torch.Tensor] = {}
+        index = plan.index_skeleton()
+        index["tag"] = tag
+        index["engine"] = {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
+                           "skipped_steps": engine.skipped_steps,
+                           "global_samples": engine.global_steps * engine.train_batch_size(),
+                           "train_batch_size": engine.train_batch_size(),
+                           "train_micro_batch_size_per_gpu": engine.train_micro_batch_size_per_gpu(),
+                           "gradient_accumulation_steps": engine.gradient_accumulation_steps()}
+        index["optimizer"] = optimizer_record(engine, tensors)
+        index["lr_scheduler"] = (encode(engine.lr_scheduler.state_dict(), tensors, "sched.", "lr_scheduler state")
+                                 if engine.lr_scheduler is not None else None)
+        index["loss_scaler"] = engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None
+        loader = getattr(engine, "training_dataloader", None)
+        index["data_loader"] = loader.state_dict() if hasattr(loader, "state_dict") else None
+        index["client_state"] = encode(client_state if client_state is not None else {}, tensors, "client.")
+        for k, v in tensors.items():
+            plan.add_whole(k, v)
+        import zerodp
+        index["zerodp_version"], index["torch_version"] = zerodp.__version__, torch.__version__
+        return index
