@@ -14,8 +14,6 @@ into the compute-dtype parameters after every step. With ``communication_data_ty
 from __future__ import annotations
 
 import math
-import os
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -194,7 +192,6 @@ def loader_run(group, stage: int, dtype: str, steps: int, save_at: int | None, l
     """Train DropNet from ``training_data`` (4 samples per rank per micro-batch, 2 micro-batches
     per step: an epoch of 40 samples is 2.5 steps at 2 ranks, so saves fall mid-epoch). With
     ``load_dir``, resume from it first; with ``save_at``, save after that many steps."""
-    world = dist.get_world_size(group)
     torch.manual_seed(7)
     model = DropNet()
     cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,

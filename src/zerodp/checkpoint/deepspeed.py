@@ -33,7 +33,7 @@ in that rank's model states file.
 
 DeepSpeed writes pickles. They are read only with ``torch.load(weights_only=True,
 mmap=True)``, with stand-in classes registered under the names of the few DeepSpeed types
-they hold (:data:`ALLOWED_GLOBALS`); a file naming any other non-torch global is refused
+they hold (``pickles.ALLOWED_GLOBALS``); a file naming any other non-torch global is refused
 before it is unpickled. Every file is opened at most once, when first needed, and its tensors
 stay memory-mapped.
 """
@@ -41,15 +41,14 @@ from __future__ import annotations
 
 import enum
 import math
-import pickletools
 import re
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
 
+from .pickles import load_pickle
 from .source import VALUE, CheckpointError, EngineState, OptimizerInfo, ParamInfo, Read, Source
 
 MODEL_FILE = "mp_rank_00_model_states.pt"
@@ -58,91 +57,6 @@ OPTIM_FILE = "{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
 
 _OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _STAGE3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
-
-
-# ----------------------------------------------------------------------------- safe loading
-
-class _FragmentAddress:
-    """Stand-in for ``deepspeed.utils.tensor_fragment.fragment_address`` (``numel``, ``start``)."""
-
-
-class _ZeroStage(enum.IntEnum):
-    """Stand-in for ``deepspeed.runtime.zero.config.ZeroStageEnum``."""
-
-    disabled = 0
-    optimizer_states = 1
-    gradients = 2
-    weights = 3
-
-
-class _StaticLossScaler:
-    """Stand-in for ``deepspeed.runtime.fp16.loss_scaler.LossScaler`` (``cur_scale``)."""
-
-
-class _DynamicLossScaler:
-    """Stand-in for ``deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler`` (``cur_scale``,
-    ``cur_iter``, ``last_overflow_iter``, ``cur_hysteresis``, ``scale_window`` ...)."""
-
-
-#: The only globals beyond torch's own ``weights_only`` set that a DeepSpeed file may name,
-#: and the inert classes that are built in their place (attributes only, no methods run).
-ALLOWED_GLOBALS: dict[str, type] = {
-    "deepspeed.utils.tensor_fragment.fragment_address": _FragmentAddress,
-    "deepspeed.runtime.zero.config.ZeroStageEnum": _ZeroStage,
-    "deepspeed.runtime.fp16.loss_scaler.LossScaler": _StaticLossScaler,
-    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler": _DynamicLossScaler,
-}
-
-
-def _pickle_globals(path: Path) -> set[str]:
-    """Every global the pickle of a ``torch.save`` zip names, found by disassembly (nothing runs)."""
-    with zipfile.ZipFile(path) as zf:
-        records = [n for n in zf.namelist() if n == "data.pkl" or n.endswith("/data.pkl")]
-        if len(records) != 1:
-            raise ValueError("no data.pkl record")
-        data = zf.read(records[0])
-    found: set[str] = set()
-    for opcode, arg, _ in pickletools.genops(data):
-        if opcode.name in ("GLOBAL", "INST"):
-            found.add(str(arg).replace(" ", "."))
-        elif opcode.name == "STACK_GLOBAL":
-            raise ValueError("the pickle names a global by STACK_GLOBAL, which torch.save never writes")
-    return found
-
-
-def load_pickle(path: Path) -> Any:
-    """``torch.load`` of a DeepSpeed file with ``weights_only=True`` and ``mmap=True``, after
-    checking that it names no global beyond torch's tensor types and :data:`ALLOWED_GLOBALS`.
-
-    Raises :class:`CheckpointError` for a missing, unreadable or disallowed file.
-    """
-    if not path.is_file():
-        raise CheckpointError(f"{path} does not exist")
-    try:
-        names = _pickle_globals(path)
-        torch_unsafe = set(torch.serialization.get_unsafe_globals_in_checkpoint(str(path)))
-    except Exception as exc:
-        raise CheckpointError(f"{path} cannot be read ({type(exc).__name__}: {exc}): the file is truncated "
-                              "or is not a torch.save file") from None
-    # globals some other code registered process-wide are no exception here
-    registered = set()
-    for entry in torch.serialization.get_safe_globals():
-        if isinstance(entry, tuple):
-            registered.add(entry[1])
-        else:
-            registered.add(f"{getattr(entry, '__module__', '')}.{getattr(entry, '__qualname__', '')}")
-    refused = sorted(n for n in names if n not in ALLOWED_GLOBALS and (n in torch_unsafe or n in registered))
-    if refused:
-        raise CheckpointError(
-            f"{path} holds the global{'s' if len(refused) > 1 else ''} {', '.join(refused)}, which is not "
-            "one of the tensors or DeepSpeed types a DeepSpeed checkpoint holds; the file is not loaded "
-            "because zerodp never unpickles arbitrary objects")
-    try:
-        with torch.serialization.safe_globals([(cls, name) for name, cls in ALLOWED_GLOBALS.items()]):
-            return torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
-    except Exception as exc:
-        raise CheckpointError(f"{path} cannot be read ({type(exc).__name__}: {exc}); it is not loaded "
-                              "because zerodp never unpickles arbitrary objects") from None
 
 
 # ----------------------------------------------------------------------------- detection

@@ -332,14 +332,25 @@ def _read_plan(engine: "ZeroEngine", src: Source, mapping: dict[str, str], with_
     return plan
 
 
-def _lr_scheduler_state(engine: "ZeroEngine", state: dict) -> dict:
-    """DeepSpeed schedulers save ``{"last_batch_iteration": i}``; zerodp's take torch's format."""
+def _load_lr_scheduler(engine: "ZeroEngine", src: Source) -> None:
+    """Load the scheduler's state; DeepSpeed's schedulers save ``{"last_batch_iteration": i}``,
+    zerodp's (DeepSpeed's schedules as torch schedulers) take torch's format. When the
+    checkpoint's param groups carry no learning rate, the schedule sets it."""
+    sched, state = engine.lr_scheduler, src.lr_scheduler
     if "last_batch_iteration" in state and "last_epoch" not in state:
-        current = engine.lr_scheduler.state_dict()
-        current["last_epoch"] = int(state["last_batch_iteration"]) + 1
-        current["_step_count"] = current["last_epoch"] + 1
-        return current
-    return state
+        if not hasattr(sched, "lr_at"):
+            raise CheckpointError(f"{src.describe()} holds a DeepSpeed learning-rate schedule, and this "
+                                  f"run's scheduler ({type(sched).__name__}) is not one of zerodp's "
+                                  "DeepSpeed schedules (the config's 'scheduler' block); pass "
+                                  "load_lr_scheduler_states=False")
+        iteration = int(state["last_batch_iteration"])
+        state = dict(sched.state_dict(), last_epoch=iteration + 1, _step_count=iteration + 2,
+                     _last_lr=sched.lr_at(iteration))
+    sched.load_state_dict(state)
+    groups = src.optimizer.param_groups if src.optimizer is not None else []
+    if not any("lr" in g for g in groups):
+        for group, lr in zip(engine.optimizer.param_groups, sched.get_last_lr()):
+            group["lr"] = lr
 
 
 def load_into_engine(engine: "ZeroEngine", src: Source, *, strict: bool = True,
@@ -382,7 +393,7 @@ def load_into_engine(engine: "ZeroEngine", src: Source, *, strict: bool = True,
         if with_optimizer:
             _load_optimizer(engine, src, plan)
         if load_lr_scheduler_states and engine.lr_scheduler is not None and src.lr_scheduler is not None:
-            engine.lr_scheduler.load_state_dict(_lr_scheduler_state(engine, src.lr_scheduler))
+            _load_lr_scheduler(engine, src)
         if engine.loss_scaler is not None and src.loss_scaler is not None:
             engine.loss_scaler.load_state_dict(src.loss_scaler)
         st = src.engine_state
