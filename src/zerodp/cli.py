@@ -77,10 +77,11 @@ def _run_train(args: argparse.Namespace) -> int:
         except OSError as e:
             _error(f"--out: cannot create directory {args.out!r}: {e.strerror or e}")
             return 2
-    if args.nproc == 1:
+    if args.nproc == 1 and not args.max_restarts:
         return train.main(train.to_argv(args))
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    restarts = ["--max-restarts", str(args.max_restarts)] if args.max_restarts else []
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", *restarts,
            "--nproc-per-node", str(args.nproc), "-m", "zerodp.train", *train.to_argv(args)]
     return _launch(cmd, _worker_env(args.nproc))
 
@@ -231,6 +232,45 @@ def _run_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- zerodp consolidate ---------------------------------------------------------------------
+
+def _consolidate_add_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("checkpoint", metavar="CKPT_DIR",
+        help="a checkpoint directory (its 'latest' file names the tag) or a tag directory; "
+             "written by zerodp or by DeepSpeed, at any world size and stage")
+    add("output", metavar="OUT", help="directory to write the weights to (created if missing)")
+    add("--tag", default=None, help="the tag to consolidate (default: the one 'latest' names)")
+    add("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
+        help="dtype of the floating-point tensors written (default: as stored, fp32 for trained "
+             "parameters)")
+    add("--max-shard-size", default="5GB", metavar="SIZE",
+        help="largest file; above it the weights are split into model-0000k-of-0000n.safetensors "
+             "files with a model.safetensors.index.json, as transformers writes them "
+             "(default: %(default)s)")
+    add("--exclude-frozen", action="store_true", help="leave out parameters the optimizer did not train")
+
+
+def _run_consolidate(args: argparse.Namespace) -> int:
+    from .checkpoint import CheckpointError, consolidate
+    from .checkpoint.consolidate import parse_size
+    try:
+        parse_size(args.max_shard_size)
+    except ValueError as e:
+        _error(f"--max-shard-size: {e}", "consolidate")
+        return 2
+    try:
+        files = consolidate(args.checkpoint, args.output, tag=args.tag, dtype=args.dtype,
+                            max_shard_size=args.max_shard_size, progress=True,
+                            exclude_frozen_parameters=args.exclude_frozen)
+    except (CheckpointError, OSError) as e:
+        _error(str(e), "consolidate")
+        return 1
+    for f in files:
+        print(f)
+    return 0
+
+
 COMMANDS: dict[str, Command] = {
     "train": Command(
         help="train the example GPT with a ZeRO stage on N local processes",
@@ -243,6 +283,16 @@ COMMANDS: dict[str, Command] = {
             "validation loss."),
         add_arguments=_train_add_arguments,
         run=_run_train,
+    ),
+    "consolidate": Command(
+        help="write a checkpoint's full weights as safetensors (zerodp or DeepSpeed checkpoints)",
+        description=(
+            "Write the full weights of a sharded checkpoint (zerodp's, at any world size and "
+            "stage, or DeepSpeed's ZeRO 1-3) as safetensors files that load with "
+            "load_state_dict(strict=True) or transformers' from_pretrained. Tensors are streamed "
+            "a few MB at a time, so memory stays flat whatever the model size."),
+        add_arguments=_consolidate_add_arguments,
+        run=_run_consolidate,
     ),
     "plot": Command(
         help="draw charts (loss, learning rate, memory per stage) from runs' metrics CSV files",

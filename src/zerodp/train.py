@@ -32,6 +32,7 @@ import os
 import sys
 import time
 import warnings
+import zlib
 from pathlib import Path
 from typing import Any, Optional
 
@@ -61,6 +62,10 @@ DEFAULT_GRAD_ACCUM = 1
 DEFAULT_LR = 1e-3
 DEFAULT_MAX_BYTES = 4 * 1024 * 1024
 DEFAULT_EVAL_EVERY = 100
+DEFAULT_OUT = "runs/train"
+DEFAULT_SAVE_INTERVAL = 100
+SAMPLE_PROMPTS = ("def ", "import ", "class ")
+SAMPLE_BYTES = 120
 EVAL_BATCHES_PER_RANK = 4
 LOSS_WINDOW = 10
 MODELS = tuple(GPT_PRESETS)
@@ -146,9 +151,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     job.add_argument("--max-bytes", type=_positive_int, default=DEFAULT_MAX_BYTES, metavar="BYTES",
                      help="corpus size: bytes of Python standard-library source to read, the last "
                           "5%% held out for validation (default: %(default)s)")
-    job.add_argument("--out", metavar="DIR", default=None,
-                     help="directory to write summary.json to (losses, memory and communication "
-                          "tables); created if missing")
+    job.add_argument("--out", metavar="DIR", default=DEFAULT_OUT,
+                     help="directory for what the run produces: model.safetensors (the trained "
+                          "weights, consolidated from the last checkpoint), samples.txt (text the "
+                          "trained model writes) and summary.json (losses, memory and "
+                          "communication tables); created if missing (default: %(default)s)")
+    ckpt = parser.add_argument_group("checkpoints")
+    ckpt.add_argument("--save-dir", metavar="DIR", default=None,
+                      help="checkpoint directory (default: OUT/checkpoints); a checkpoint is saved "
+                           "every --save-interval steps and at the end")
+    ckpt.add_argument("--save-interval", type=_non_negative_int, default=DEFAULT_SAVE_INTERVAL,
+                      metavar="N", help="save a checkpoint every N steps; 0 saves only at the end "
+                                        "(default: %(default)s)")
+    ckpt.add_argument("--resume", action="store_true",
+                      help="continue from the newest checkpoint in the save directory (its 'latest' "
+                           "file), at any --nproc and --preset; starts from scratch when there is "
+                           "none. Under torchrun --max-restarts this makes a restarted run go on")
+    ckpt.add_argument("--async-save", action="store_true",
+                      help="save checkpoints in the background (the config's checkpoint.async_save): "
+                           "training goes on while a host copy of each rank's shard is written")
+    ckpt.add_argument("--max-restarts", type=_non_negative_int, default=0, metavar="N",
+                      help="restart all ranks up to N times when one fails (torchrun's option of that "
+                           "name); use with --resume (default: %(default)s)")
     metrics = parser.add_argument_group("metrics")
     metrics.add_argument("--metrics-dir", metavar="DIR", default=None,
                          help="write one row of metrics per optimizer step (loss, learning rate, "
@@ -164,7 +188,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def to_argv(args: argparse.Namespace) -> list[str]:
     """The worker's command line for ``args`` (``--nproc`` left out: torchrun's option
-    parser would take it for an abbreviation of its own ``--nproc-per-node``)."""
+    parser would take it for an abbreviation of its own ``--nproc-per-node``; ``--max-restarts``
+    is the launcher's)."""
     parser = argparse.ArgumentParser(add_help=False)
     add_arguments(parser)
     argv: list[str] = []
@@ -172,7 +197,7 @@ def to_argv(args: argparse.Namespace) -> list[str]:
         if not action.option_strings or action.dest == "nproc":
             continue
         value = getattr(args, action.dest, None)
-        if value is None or value is False:
+        if value is None or value is False or action.dest == "max_restarts":
             continue
         if value is True:  # a flag
             argv.append(action.option_strings[0])
@@ -235,6 +260,8 @@ def build_config(args: argparse.Namespace) -> Config:
     if precision is not None:
         data["bf16"] = dict(data.get("bf16") or {}, enabled=precision == "bf16")
         data["fp16"] = dict(data.get("fp16") or {}, enabled=precision == "fp16")
+    if getattr(args, "async_save", False):
+        data["checkpoint"] = dict(data.get("checkpoint") or {}, async_save=True)
     metrics_dir = getattr(args, "metrics_dir", None)
     if metrics_dir:  # DeepSpeed's run directory is output_path/job_name: make it DIR itself
         where = Path(metrics_dir)
@@ -377,7 +404,25 @@ def _train(args: argparse.Namespace, rank: int, world: int) -> int:
         f"corpus {len(corpus) / MIB:.1f} MiB of Python source ({corpus.num_files} files)")
     sys.stdout.flush()
 
-    gen = torch.Generator().manual_seed(1_000_003 * args.seed + rank)
+    save_dir = Path(args.save_dir) if args.save_dir else Path(args.out) / "checkpoints"
+    start_step = 0
+    losses: list[float] = []
+    val_losses: list[tuple[int, float]] = []
+    if args.resume:
+        path, client = engine.load_checkpoint(save_dir)
+        if path is None:
+            say(f"  resume: no checkpoint in {save_dir} yet; starting from step 0")
+        else:
+            start_step = engine.global_steps
+            losses = [float(x) for x in client.get("losses", [])][:start_step]
+            val_losses = [(int(a), float(b)) for a, b in client.get("val_losses", []) if a <= start_step]
+            say(f"  resume: continuing from {path} at step {start_step}")
+    sys.stdout.flush()
+
+    def save(step: int) -> None:
+        engine.save_checkpoint(save_dir, client_state={"losses": losses, "val_losses": val_losses,
+                                                       "args": {"model": args.model, "seed": args.seed}})
+
     val_gen = torch.Generator().manual_seed(1_000_003 * args.seed + 500_000 + rank)
     val_batches = ([corpus.batch("val", micro, block, val_gen) for _ in range(EVAL_BATCHES_PER_RANK)]
                    if args.eval_every > 0 else [])
@@ -392,16 +437,16 @@ def _train(args: argparse.Namespace, rank: int, world: int) -> int:
     bar = None
     if main_rank:
         from tqdm import tqdm
-        bar = tqdm(total=args.steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
-    losses: list[float] = []
-    val_losses: list[tuple[int, float]] = []
+        bar = tqdm(total=args.steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
+                   file=sys.stderr)
     smoothed = step_time = None
     start = time.perf_counter()
     engine.train()
     try:
-        for step in range(1, args.steps + 1):
+        for step in range(start_step + 1, args.steps + 1):
             t0 = time.perf_counter()
             step_loss = 0.0
+            gen = step_generator(args.seed, rank, step)
             for _ in range(gas):
                 x, y = corpus.batch("train", micro, block, gen)
                 _, loss = engine(x.to(device), y.to(device))
@@ -424,8 +469,13 @@ def _train(args: argparse.Namespace, rank: int, world: int) -> int:
                                     f"gnorm={norm if norm is not None else float('nan'):.3f} "
                                     f"tok/s={tokens_per_step / step_time:,.0f}", refresh=False)
                 bar.update(1)
-        if args.eval_every:
+            if args.save_interval and step % args.save_interval == 0 and step != args.steps:
+                save(step)
+        if args.eval_every and start_step < args.steps:
             val_losses.append((args.steps, evaluate()))
+        if start_step < args.steps:
+            save(args.steps)
+        engine.wait_for_checkpoint()
     finally:
         if bar is not None:
             bar.close()
@@ -457,28 +507,64 @@ def _train(args: argparse.Namespace, rank: int, world: int) -> int:
           f"(mean of last {window} steps)")
     print(f"val loss:   {final_val:.4f}" if final_val is not None else
           "val loss:   not evaluated (--eval-every 0)")
-    print(f"time: {elapsed:.1f} s for {args.steps} steps, "
-          f"{tokens_per_step * args.steps / elapsed:,.0f} tokens/s overall")
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        summary = {
-            "model": args.model, "parameters": n_params, "world_size": world,
-            "zero_stage": engine.zero_stage, "device": str(device), "backend": backend,
-            "micro_batch": micro, "grad_accum": gas, "train_batch_size": engine.train_batch_size(),
-            "block_size": block, "steps": args.steps, "seed": args.seed,
-            "config": cfg.model_dump(mode="json"),
-            "losses": losses, "first_loss": first, "last_loss": last,
-            "val_losses": [{"step": s, "loss": v} for s, v in val_losses], "final_val_loss": final_val,
-            "elapsed_s": elapsed, "tokens_per_s": tokens_per_step * args.steps / elapsed,
-            "memory_bytes": memory, "comm_bytes_per_step": comm,
-        }
-        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-        print(f"summary: {out / 'summary.json'}")
+    ran = args.steps - start_step
+    print(f"time: {elapsed:.1f} s for {ran} steps{f' (resumed at step {start_step})' if start_step else ''}, "
+          f"{tokens_per_step * ran / max(elapsed, 1e-9):,.0f} tokens/s overall")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"checkpoint: {save_dir / ('global_step' + str(args.steps))}")
+    weights, samples = write_weights_and_samples(args.model, args.seed, save_dir, out)
+    print(f"weights: {weights} (load with GPT.load_state_dict; zerodp consolidate writes the same "
+          "from any checkpoint)")
+    print(f"samples from the trained model ({out / 'samples.txt'}):")
+    for text in samples:
+        print("  | " + text.replace("\n", "\n  | "))
+    summary = {
+        "model": args.model, "parameters": n_params, "world_size": world,
+        "zero_stage": engine.zero_stage, "device": str(device), "backend": backend,
+        "micro_batch": micro, "grad_accum": gas, "train_batch_size": engine.train_batch_size(),
+        "block_size": block, "steps": args.steps, "seed": args.seed,
+        "config": cfg.model_dump(mode="json"),
+        "losses": losses, "first_loss": first, "last_loss": last,
+        "val_losses": [{"step": s, "loss": v} for s, v in val_losses], "final_val_loss": final_val,
+        "elapsed_s": elapsed, "tokens_per_s": tokens_per_step * ran / max(elapsed, 1e-9),
+        "resumed_at_step": start_step, "samples": samples,
+        "memory_bytes": memory, "comm_bytes_per_step": comm,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    print(f"summary: {out / 'summary.json'}")
     if engine.monitor is not None and engine.monitor.csv_path is not None:
         print(f"metrics: {engine.monitor.csv_path} (draw charts with: zerodp plot "
               f"{engine.monitor.csv_path.parent})")
     return 0
+
+
+def write_weights_and_samples(model_name: str, seed: int, save_dir: Path, out: Path) -> tuple[Path, list[str]]:
+    """Consolidate the newest checkpoint into ``out/model.safetensors``, load it into a plain GPT
+    (``strict=True``) and sample a line of text from each of a few prompts into
+    ``out/samples.txt``; returns the weights' path and the samples."""
+    from .checkpoint import consolidate
+    from .checkpoint.tensorfile import load_file
+    consolidate(save_dir, out)
+    weights = out / "model.safetensors"
+    model = build_gpt(model_name)
+    model.load_state_dict(load_file(weights), strict=True)
+    model.eval()
+    gen = torch.Generator().manual_seed(seed)
+    samples = []
+    for prompt in SAMPLE_PROMPTS:
+        idx = torch.tensor([list(prompt.encode())], dtype=torch.long)
+        seq = model.generate(idx, SAMPLE_BYTES, generator=gen)[0].tolist()
+        text = bytes(seq).decode("utf-8", errors="replace")
+        samples.append("\n".join(text.splitlines()[:3]))
+    (out / "samples.txt").write_text("\n\n".join(samples) + "\n", encoding="utf-8")
+    return weights, samples
+
+
+def step_generator(seed: int, rank: int, step: int) -> torch.Generator:
+    """The generator of rank ``rank``'s training batches in step ``step``: a function of the
+    three alone, so a resumed run draws the batches the interrupted one would have."""
+    return torch.Generator().manual_seed(zlib.crc32(f"{seed}/{rank}/{step}".encode()))
 
 
 def main(argv: Optional[list[str]] = None) -> int:

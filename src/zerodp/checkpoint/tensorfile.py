@@ -253,6 +253,15 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor],
     return w.close()
 
 
+def load_file(path: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file, by name (a small reader: no checksum record)."""
+    f = TensorFile(path)
+    try:
+        return {name: f.read(name).to(device) for name in f.entries}
+    finally:
+        f.close()
+
+
 @dataclass(frozen=True)
 class Entry:
     dtype: torch.dtype

@@ -148,6 +148,25 @@ class GPT(nn.Module):
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
         return logits, loss
 
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 0.8,
+                 top_k: int | None = 40, generator: torch.Generator | None = None,
+                 stop: int | None = None) -> torch.Tensor:
+        """Continue the byte sequences ``idx`` (``(B, T)`` int64) by sampling
+        ``max_new_tokens`` bytes (the last ``block_size`` bytes as context), from the
+        ``top_k`` most likely at ``temperature``; a row stops early at byte ``stop``."""
+        for _ in range(max_new_tokens):
+            logits, _ = self(idx[:, -self.config.block_size:])
+            logits = logits[:, -1, :].float() / max(temperature, 1e-6)
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+            idx = torch.cat([idx, nxt], dim=1)
+            if stop is not None and bool((nxt == stop).all()):
+                break
+        return idx
+
 
 #: Model sizes for :func:`build_gpt`: ``tiny`` for tests, ``small`` for demos.
 GPT_PRESETS: dict[str, GPTConfig] = {
