@@ -273,3 +273,69 @@ def save_error_task(group, save_dir: str, client_state) -> dict:
     except zerodp.CheckpointError as e:
         return {"error": str(e)}
     return {"error": None}
+
+
+# -- consolidation, 16-bit model files, asynchronous saves --------------------------------------
+
+def save_16bit_task(group, stage: int, dtype: str, out_dir: str) -> dict:
+    engine = make_engine(group, stage, dtype)
+    train_steps(engine, 0, 1)
+    engine.save_16bit_model(out_dir, "model.safetensors")
+    engine.save_16bit_model(out_dir)  # DeepSpeed's default name: pytorch_model.bin (torch.save)
+    out = gathered_params(engine)
+    engine.destroy()
+    return out
+
+
+def hf_save_task(group, stage: int, save_dir: str) -> dict:
+    """A tiny transformers GPT-2 trained 2 steps at ``stage``, then saved."""
+    import hf_tasks
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    model = hf_tasks.build_model("gpt2")
+    cfg = {"train_micro_batch_size_per_gpu": hf_tasks.MICRO, "gradient_accumulation_steps": 1,
+           "steps_per_print": 10_000, "optimizer": {"type": "AdamW", "params": dict(hf_tasks.ADAMW)},
+           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 1}}
+    engine, *_ = zerodp.initialize(model=model, model_parameters=model.parameters(), config=cfg,
+                                   process_group=group)
+    for step in range(2):
+        ids = hf_tasks.batch(step, rank, 0)
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+    engine.save_checkpoint(save_dir)
+    out = gathered_params(engine)
+    if rank == 0:
+        model.config.save_pretrained(save_dir)
+    engine.destroy()
+    return out
+
+
+def async_save_task(group, stage: int, save_dir: str, fail_rank: int | None = None) -> dict:
+    """Save asynchronously at step 2 and keep training while it is written; with ``fail_rank``,
+    that rank's write fails in the background."""
+    engine = make_engine(group, stage, "fp32")
+    train_steps(engine, 0, 1)
+    engine.save_checkpoint(save_dir, tag="first")
+    train_steps(engine, 1, 2)
+    at_save = gathered_params(engine)
+    if fail_rank is not None and engine.dp_rank == fail_rank:
+        from zerodp.checkpoint import tensorfile
+        original = tensorfile.TensorWriter.write
+
+        def failing(self, name, parts):
+            raise OSError(28, "No space left on device")
+        tensorfile.TensorWriter.write = failing
+    try:
+        engine.save_checkpoint(save_dir, async_save=True)
+        in_flight = engine._checkpointer.in_flight
+        train_steps(engine, 2, 4)  # the parameters move on while the shards are written
+        error = None
+        try:
+            engine.wait_for_checkpoint()
+        except zerodp.CheckpointError as e:
+            error = str(e)
+    finally:
+        if fail_rank is not None and engine.dp_rank == fail_rank:
+            tensorfile.TensorWriter.write = original
+    out = {"at_save": at_save, "after": gathered_params(engine), "error": error, "in_flight": in_flight}
+    engine.destroy()
+    return out

@@ -5,14 +5,18 @@ part worked and, if not, why; every rank learns the outcome of all, and all rais
 when any failed, naming the failing ranks and their messages. No rank waits for a peer that
 already gave up.
 
-The collectives run on a gloo group (CPU tensors whatever the training backend): the
-data-parallel group itself when it is gloo, otherwise one made for checkpoints. An
-asynchronous save agrees from a background thread on a group of its own, so its collectives
-never interleave with the training step's.
+When the data-parallel group is gloo, the agreement is a small all-gather on it. Otherwise (an
+NCCL group, or an asynchronous save agreeing from a background thread while training goes
+on) it goes through the job's key-value store (the one ``torch.distributed`` was initialized
+with): each rank writes its outcome under a key and reads everyone's. That needs no new process
+group, so it works from any thread and inside any subgroup, and never interleaves with the
+training step's collectives.
 """
 from __future__ import annotations
 
+import itertools
 import threading
+from datetime import timedelta
 from typing import Optional
 
 import torch
@@ -22,22 +26,19 @@ from .source import CheckpointError
 
 #: Bytes of each rank's failure message shared with the others.
 MESSAGE_BYTES = 1024
+#: How long a store-based agreement waits for the slowest rank (writing a large shard).
+STORE_TIMEOUT = timedelta(hours=2)
 
-_GROUPS: dict[tuple, dist.ProcessGroup] = {}
+_COUNTERS: dict[tuple, "itertools.count"] = {}
 _LOCK = threading.Lock()
 
 
-def gloo_group(ranks: list[int], purpose: str) -> dist.ProcessGroup:
-    """A gloo group over ``ranks`` (global ranks) for ``purpose``, made once and kept.
-
-    Only the members call this (``use_local_synchronization``), so it works inside a
-    subgroup of the world too.
-    """
-    key = (tuple(ranks), purpose)
+def _store_prefix(ranks: tuple[int, ...]) -> str:
+    """A key prefix unique to this agreement: ranks create coordinators in the same order (saves
+    and loads are collective), so the n-th one of a group has the same prefix on every rank."""
     with _LOCK:
-        if key not in _GROUPS:
-            _GROUPS[key] = dist.new_group(ranks=list(ranks), backend="gloo", use_local_synchronization=True)
-        return _GROUPS[key]
+        n = next(_COUNTERS.setdefault(ranks, itertools.count()))
+    return f"zerodp/checkpoint/{'_'.join(map(str, ranks))}/{n}/"
 
 
 class Coordinator:
@@ -46,11 +47,22 @@ class Coordinator:
     def __init__(self, comm, separate: bool = False) -> None:
         self.world_size, self.rank = comm.world_size, comm.rank
         self.group: Optional[dist.ProcessGroup] = None
+        self.store = None
+        self._round = 0
         if self.world_size > 1:
             if comm.backend == "gloo" and not separate:
                 self.group = comm.group
             else:
-                self.group = gloo_group(comm._global_ranks, "checkpoint-async" if separate else "checkpoint")
+                self.store = dist.PrefixStore(_store_prefix(tuple(comm._global_ranks)),
+                                              dist.distributed_c10d._get_default_store())
+
+    def _exchange(self, value: str) -> list[str]:
+        """Every rank's ``value`` through the store, in rank order."""
+        self._round += 1
+        keys = [f"{self._round}/{r}" for r in range(self.world_size)]
+        self.store.set(keys[self.rank], value.encode("utf-8"))
+        self.store.wait(keys, STORE_TIMEOUT)
+        return [self.store.get(k).decode("utf-8") for k in keys]
 
     def agree(self, error: Optional[BaseException], what: str) -> None:
         """Share whether this rank's part of ``what`` failed; raise on every rank if any did."""
@@ -65,6 +77,9 @@ class Coordinator:
         text = "" if error is None else (str(error) or type(error).__name__)
         if self.world_size == 1:
             return [(0, text)] if error is not None else []
+        if self.store is not None:
+            got = self._exchange(("1" if error is not None else "0") + text[:MESSAGE_BYTES])
+            return [(r, v[1:]) for r, v in enumerate(got) if v.startswith("1")]
         raw = text.encode("utf-8")[:MESSAGE_BYTES - 1]
         mine = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8)
         mine[0] = 1 if error is not None else 0
@@ -83,6 +98,8 @@ class Coordinator:
         """Every rank's ``value`` (e.g. a hash of the tag), in rank order."""
         if self.world_size == 1:
             return [value]
+        if self.store is not None:
+            return [int(v) for v in self._exchange(str(int(value)))]
         mine = torch.tensor([value], dtype=torch.int64)
         out = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(out, mine, group=self.group)

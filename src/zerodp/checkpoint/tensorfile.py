@@ -226,16 +226,17 @@ class TensorWriter:
             if self._fsync:
                 os.fsync(self._fd)
         finally:
-            os.close(self._fd)
-            self._pool.shutdown()
+            self._release()
         return FileRecord(bytes=self._size, crc32=self._crc.finish(), block=self._crc.block)
 
     def abort(self) -> None:
         """Close without checks (the caller discards the file)."""
-        try:
-            os.close(self._fd)
-        except OSError:
-            pass
+        self._release()
+
+    def _release(self) -> None:
+        fd, self._fd = self._fd, -1  # closed once: the number may be reused right after
+        if fd >= 0:
+            os.close(fd)
         self._pool.shutdown()
 
 
@@ -286,7 +287,7 @@ class TensorFile:
             raise CheckpointError(f"{self.path}: file missing") from None
         size = os.fstat(self._fd).st_size
         if record is not None and size != record.bytes:
-            os.close(self._fd)
+            self.close()
             raise CheckpointError(f"{self.path}: {size} bytes on disk, {record.bytes} when written: "
                                   "the file is truncated or was overwritten")
         self.size = size
@@ -311,16 +312,17 @@ class TensorFile:
                 if base + hi > size:
                     raise ValueError(f"tensor {name!r} ends past the end of the file")
         except CheckpointError:
-            os.close(self._fd)
+            self.close()
             raise
         except (ValueError, KeyError, TypeError) as e:
-            os.close(self._fd)
+            self.close()
             raise CheckpointError(f"{self.path}: not a readable tensor file ({e})") from None
 
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        """Close the file (once: a descriptor number closed twice may belong to someone else by then)."""
+        fd, self._fd = getattr(self, "_fd", -1), -1
+        if fd >= 0:
+            os.close(fd)
 
     def __del__(self) -> None:
         try:
