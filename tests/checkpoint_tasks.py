@@ -339,3 +339,42 @@ def async_save_task(group, stage: int, save_dir: str, fail_rank: int | None = No
     out = {"at_save": at_save, "after": gathered_params(engine), "error": error, "in_flight": in_flight}
     engine.destroy()
     return out
+
+
+# -- what a load reads -----------------------------------------------------------------------------
+
+def _mlp():
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 128))
+
+
+def mlp_engine(group, stage: int):
+    model = _mlp()
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10_000,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": 20_000}}
+    engine, *_ = zerodp.initialize(model=model, config=cfg, process_group=group)
+    return engine
+
+
+def bytes_read_task(group, save_dir: str, stage: int, save: bool) -> dict:
+    """Save (with 4 KiB checksum blocks) or load the MLP; returns the bytes this rank read."""
+    from zerodp.checkpoint import tensorfile
+    engine = mlp_engine(group, stage)
+    if save:
+        x = torch.randn(2, 128)
+        engine.backward(engine(x).square().mean())
+        engine.step()
+        block = tensorfile.BLOCK
+        tensorfile.BLOCK = 4096
+        try:
+            engine.save_checkpoint(save_dir)
+        finally:
+            tensorfile.BLOCK = block
+        out = {"read": 0}
+    else:
+        before = tensorfile.STATS["bytes_read"]
+        engine.load_checkpoint(save_dir)
+        out = {"read": tensorfile.STATS["bytes_read"] - before}
+    engine.destroy()
+    return out

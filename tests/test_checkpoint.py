@@ -117,3 +117,15 @@ def test_index_describes_every_piece(pool, tmp_path):
         else:
             assert entry["dtype"] == "float32" and set(entry["state_keys"]) == {"exp_avg", "exp_avg_sq"}
             assert entry["scalars"] == {"step": 1.0}
+
+
+def test_each_rank_reads_its_share(pool, tmp_path):
+    """Loading reads by byte range: 4 ranks at stage 3 each read about a quarter of what one
+    rank at stage 0 reads (the whole checkpoint), not the whole."""
+    pool.run(ct.bytes_read_task, 4, str(tmp_path), 2, True)
+    files = sum(f.stat().st_size for f in (tmp_path / "global_step1").glob("*.safetensors"))
+    whole = pool.run(ct.bytes_read_task, 1, str(tmp_path), 0, False)[0]["read"]
+    shares = [r["read"] for r in pool.run(ct.bytes_read_task, 4, str(tmp_path), 3, False)]
+    assert files * 0.95 < whole <= files * 1.05
+    for share in shares:
+        assert share < whole / 4 * 1.25, (share, whole)

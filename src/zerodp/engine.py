@@ -575,6 +575,8 @@ class ZeroEngine(nn.Module):
             self._timings.clear()
 
     def _apply_update(self) -> None:
+        if self._checkpointer is not None:  # an asynchronous save may still be copying the states
+            self._checkpointer.before_update()
         grads = self._unscaled_fp32_grads()
         norm, used = self._global_norm_and_usage(grads)
         self._global_grad_norm = norm
@@ -761,7 +763,8 @@ class ZeroEngine(nn.Module):
     def destroy(self) -> None:
         """Wait for an asynchronous save in flight, remove the gradient hooks and close the
         metrics files (the model stays usable as a plain module)."""
-        self.wait_for_checkpoint()
+        if self._checkpointer is not None:
+            self._checkpointer.release_staging()
         for h in self._hooks + self._unit_hooks:
             h.remove()
         self._hooks, self._unit_hooks = [], []

@@ -156,7 +156,7 @@ class ZerodpSource(Source):
         name = rank_json(rank)
         raw = (self.path / name).read_bytes()
         rec = self._records[name]
-        crc = _Checksum()
+        crc = _Checksum(rec.block)
         crc.update(memoryview(raw))
         if len(raw) != rec.bytes or crc.finish() != rec.crc32:
             raise CheckpointError(f"{self.path / name}: size or checksum differs from the index: the "

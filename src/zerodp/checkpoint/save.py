@@ -17,9 +17,10 @@ until the final renames nothing outside ``.T.partial`` changed, and each rename 
 Loading never looks at ``.partial`` directories; the next save removes them.
 
 With ``async_save``, steps 3-4 run in a background thread from a host copy of this rank's
-tensors (staged before ``save_checkpoint`` returns: pinned memory on CUDA), with their own
-gloo group; training goes on meanwhile. The copy costs host memory equal to this rank's file
-and is freed when written. The next save, a load, ``engine.wait_for_checkpoint()`` and
+tensors (``Staging``: one reused buffer, pinned on a GPU, filled while training goes on; the
+next optimizer step waits for the copy, not for the write), agreeing through the job's store
+(``coord.py``). The copy costs host memory equal to this rank's file, kept for the next
+asynchronous save. The next save, a load, ``engine.wait_for_checkpoint()`` and
 ``engine.destroy()`` wait for a save in flight and raise its error, if it had one.
 """
 from __future__ import annotations
@@ -40,7 +41,7 @@ from .coord import Coordinator
 from .layout import RankPlan, merge_rank_records, optimizer_record, rank_file, rank_json
 from .source import CheckpointError
 from .state import capture_rng, encode
-from .tensorfile import FileRecord, TensorWriter, _Checksum
+from .tensorfile import FileRecord, TensorWriter, checksum
 
 if TYPE_CHECKING:
     from ..engine import ZeroEngine
@@ -73,9 +74,7 @@ def write_json_durably(path: Path, data: Any) -> FileRecord:
         f.write(raw)
         f.flush()
         os.fsync(f.fileno())
-    crc = _Checksum()
-    crc.update(memoryview(raw))
-    return FileRecord(bytes=len(raw), crc32=crc.finish())
+    return checksum(raw)
 
 
 def write_latest(save_dir: Path, tag: str) -> None:
@@ -110,35 +109,100 @@ def _host_parts(parts: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
             yield host
 
 
-def _stage(plan: RankPlan) -> dict[str, torch.Tensor]:
-    """Host copies of everything this rank writes (for an asynchronous save)."""
-    staged = {}
-    for spec in plan.specs:
-        parts = list(plan.parts_of(spec.name))
-        pin = any(p.device.type == "cuda" for p in parts)
-        out = torch.empty(spec.numel, dtype=spec.dtype, pin_memory=pin)
-        pos = 0
-        for p in parts:
-            n = p.numel()
-            out[pos:pos + n].copy_(p.reshape(-1), non_blocking=pin)
-            pos += n
-        staged[spec.name] = out
-    if any(t.is_pinned() for t in staged.values()):
-        torch.cuda.synchronize()
-    return staged
+class Staging:
+    """Host copies of everything a rank writes, for asynchronous saves.
+
+    One buffer (pinned when the tensors live on a GPU) is allocated at the first asynchronous
+    save and reused by the next ones while it is large enough: allocating and pinning gigabytes
+    costs more than copying them. The copy does not hold up ``save_checkpoint``: on a GPU it is
+    queued on a side stream, on a CPU a background thread makes it. The tensors it copies are
+    changed only by the optimizer step, so ``engine.step()`` waits for the copy (``wait_copied``)
+    before updating; forward and backward run meanwhile.
+    """
+
+    ALIGN = 64
+
+    def __init__(self) -> None:
+        self.buffer: Optional[torch.Tensor] = None
+        self._event = None                    # CUDA: the copy stream's event
+        self._copied = threading.Event()
+        self._copied.set()
+        self._pending: list = []              # (source parts, destination) for the CPU copy
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.buffer is None else self.buffer.numel()
+
+    def start(self, plan: RankPlan) -> dict[str, torch.Tensor]:
+        """Views of the staging buffer for every tensor of ``plan``, and the copy into them started."""
+        sizes = [-(-spec.nbytes // self.ALIGN) * self.ALIGN for spec in plan.specs]
+        parts = {spec.name: list(plan.parts_of(spec.name)) for spec in plan.specs}
+        on_gpu = any(p.device.type == "cuda" for ps in parts.values() for p in ps)
+        total = max(sum(sizes), self.ALIGN)
+        if self.buffer is None or self.buffer.numel() < total or self.buffer.is_pinned() != on_gpu:
+            self.buffer = None
+            self.buffer = torch.empty(total, dtype=torch.uint8, pin_memory=on_gpu)
+        views, pos = {}, 0
+        for spec, size in zip(plan.specs, sizes):
+            views[spec.name] = self.buffer[pos:pos + spec.nbytes].view(spec.dtype)
+            pos += size
+        work = [(parts[name], views[name]) for name in views]
+        self._copied.clear()
+        if on_gpu:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for ps, out in work:
+                    _copy_parts(ps, out, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record(stream)
+            self._pending = work  # keeps temporaries alive until the copy is done
+        else:
+            self._event = None
+            self._pending = work
+        return views
+
+    def copy_in_background(self) -> None:
+        """The background thread's first task: finish the copy (CPU: make it)."""
+        try:
+            if self._event is not None:
+                self._event.synchronize()
+            else:
+                for ps, out in self._pending:
+                    _copy_parts(ps, out)
+        finally:
+            self._pending = []
+            self._copied.set()
+
+    def wait_copied(self) -> None:
+        """Before the optimizer changes the tensors being copied: wait for the copy (on a GPU the
+        current stream waits for the copy stream, the host does not)."""
+        if self._event is not None and not self._copied.is_set():
+            torch.cuda.current_stream().wait_event(self._event)
+            return
+        self._copied.wait()
+
+
+def _copy_parts(parts: list[torch.Tensor], out: torch.Tensor, non_blocking: bool = False) -> None:
+    pos = 0
+    for p in parts:
+        n = p.numel()
+        out[pos:pos + n].copy_(p.reshape(-1), non_blocking=non_blocking)
+        pos += n
 
 
 class _Job:
     """Everything steps 3-4 need, detached from the engine."""
 
     def __init__(self, plan: RankPlan, index: Optional[dict], save_dir: Path, tag: str,
-                 save_latest: bool, staged: Optional[dict[str, torch.Tensor]]) -> None:
+                 save_latest: bool, staging: Optional[Staging] = None) -> None:
         self.specs, self.rank_json, self.index = plan.specs, plan.json, index
         self.rank, self.world = plan.rank, plan.world
         self.save_dir, self.tag, self.save_latest = save_dir, tag, save_latest
         self.partial = save_dir / f".{tag}.partial"
-        self.staged = staged
-        self._plan = None if staged is not None else plan
+        self.staging = staging
+        self.staged = staging.start(plan) if staging is not None else None
+        self._plan = None if staging is not None else plan
         self.nbytes = sum(s.nbytes for s in plan.specs)
 
     def parts(self, name: str) -> Iterator[torch.Tensor]:
@@ -148,6 +212,8 @@ class _Job:
             yield from _host_parts(self._plan.parts_of(name))
 
     def write_rank(self) -> None:
+        if self.staging is not None:
+            self.staging.copy_in_background()
         writer = TensorWriter(self.partial / rank_file(self.rank), self.specs,
                               metadata={"format": "zerodp", "rank": str(self.rank)})
         try:
@@ -158,7 +224,7 @@ class _Job:
             raise
         self.rank_json["file"] = writer.close().to_json()
         write_json_durably(self.partial / rank_json(self.rank), self.rank_json)
-        self.staged = None  # free the host copy
+        self.staged = None
 
     def commit(self) -> None:
         """Rank 0: the index, the rename, ``latest``."""
@@ -169,9 +235,7 @@ class _Job:
             rec = json.loads(raw)
             records.append(rec)
             files[rank_file(r)] = rec["file"]
-            crc = _Checksum()
-            crc.update(memoryview(raw))
-            files[rank_json(r)] = FileRecord(bytes=len(raw), crc32=crc.finish()).to_json()
+            files[rank_json(r)] = checksum(raw).to_json()
         merge_rank_records(index, records)
         index["files"] = files
         write_json_durably(self.partial / INDEX, index)
@@ -222,6 +286,17 @@ class Checkpointer:
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self._what = ""
+        self.staging: Optional[Staging] = None
+
+    def before_update(self) -> None:
+        """Called by the engine before the optimizer step changes the parameters and states."""
+        if self.staging is not None:
+            self.staging.wait_copied()
+
+    def release_staging(self) -> None:
+        """Free the host buffer of asynchronous saves (after waiting for any in flight)."""
+        self.wait()
+        self.staging = None
 
     def wait(self) -> None:
         """Wait for a save in flight; raise its error if it failed."""
@@ -274,9 +349,11 @@ class Checkpointer:
                 err = e
         coord.agree(err, f"creating checkpoint directory {save_dir / tag}")
         if not async_save:
-            _Job(plan, index, save_dir, tag, save_latest, staged=None).run(coord)
+            _Job(plan, index, save_dir, tag, save_latest).run(coord)
             return True
-        job = _Job(plan, index, save_dir, tag, save_latest, staged=_stage(plan))
+        if self.staging is None:
+            self.staging = Staging()
+        job = _Job(plan, index, save_dir, tag, save_latest, staging=self.staging)
         background = Coordinator(engine.comm, separate=True)
         self._what = str(save_dir / tag)
 

@@ -26,7 +26,7 @@ import os
 import struct
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
@@ -83,8 +83,8 @@ class FileRecord:
     """Size and per-block CRC-32 of a written file."""
 
     bytes: int
-    crc32: list[int] = field(default_factory=list)
-    block: int = BLOCK
+    crc32: list[int]
+    block: int
 
     def to_json(self) -> dict:
         return {"bytes": self.bytes, "block": self.block, "crc32": self.crc32}
@@ -117,6 +117,13 @@ class _Checksum:
             self.crcs.append(self._crc)
             self._crc, self._fill = 0, 0
         return self.crcs
+
+
+def checksum(data: bytes) -> FileRecord:
+    """The record of a file holding ``data``."""
+    crc = _Checksum()
+    crc.update(memoryview(data))
+    return FileRecord(bytes=len(data), crc32=crc.finish(), block=crc.block)
 
 
 @dataclass(frozen=True)
@@ -396,16 +403,19 @@ class TensorFile:
                 windows.append((a, b))
         step = max(READ_CHUNK // align, 1) * align
         chunks = [(a, min(a + step, w1)) for w0, w1 in windows for a in range(w0, w1, step)]
+        # two buffers: the next chunk is read and verified in a second thread while this one's
+        # bytes are copied out (pread and zlib release the GIL)
+        longest = max(b - a for a, b in chunks)
+        buffers = [torch.empty(longest, dtype=torch.uint8), torch.empty(longest if len(chunks) > 1 else 0,
+                                                                       dtype=torch.uint8)]
         pool = ThreadPoolExecutor(1)
         try:
-            ahead = pool.submit(self._read_chunk, *chunks[0])
+            ahead = pool.submit(self._read_chunk, *chunks[0], buffers[0])
             si = 0
             for ci, (a, b) in enumerate(chunks):
                 buf = ahead.result()
                 if ci + 1 < len(chunks):
-                    ahead = pool.submit(self._read_chunk, *chunks[ci + 1])
-                if self.record is not None:
-                    self._check_blocks(a // self.record.block, byte_view(buf))
+                    ahead = pool.submit(self._read_chunk, *chunks[ci + 1], buffers[(ci + 1) % 2])
                 # copy out every span overlapping [a, b)
                 while si < len(spans) and spans[si][1] <= a:
                     si += 1
@@ -421,8 +431,9 @@ class TensorFile:
         finally:
             pool.shutdown()
 
-    def _read_chunk(self, a: int, b: int) -> torch.Tensor:
-        buf = torch.empty(b - a, dtype=torch.uint8)
+    def _read_chunk(self, a: int, b: int, into: torch.Tensor) -> torch.Tensor:
+        """Bytes [a, b) of the file, read into ``into`` and verified against the record."""
+        buf = into[:b - a]
         mv = byte_view(buf)
         got = 0
         while got < b - a:
@@ -431,4 +442,6 @@ class TensorFile:
                 raise CheckpointError(f"{self.path}: short read at byte {a + got}")
             got += n
         STATS["bytes_read"] += b - a
+        if self.record is not None:
+            self._check_blocks(a // self.record.block, mv)
         return buf
