@@ -89,11 +89,18 @@ def write_latest(save_dir: Path, tag: str) -> None:
 
 
 def _host_parts(parts: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
-    """``parts`` as CPU tensors: device tensors go through one reused (pinned) host buffer,
-    a chunk at a time (the writer consumes each before the next is asked for)."""
-    buf: Optional[torch.Tensor] = None
+    """``parts`` as CPU tensors. Device tensors go through two reused pinned host buffers, a
+    chunk at a time: the next chunk is copied while the writer writes this one (the writer is
+    done with a chunk when it asks for the next)."""
+    buffers: list[Optional[torch.Tensor]] = [None, None]
+    pending = None  # (host chunk, copy event) not yet handed out
+    k = 0
     for part in parts:
         if part.device.type == "cpu":
+            if pending is not None:
+                pending[1].synchronize()
+                yield pending[0]
+                pending = None
             yield part
             continue
         flat = part.reshape(-1)
@@ -101,12 +108,19 @@ def _host_parts(parts: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
         for i in range(0, flat.numel(), step):
             piece = flat[i:i + step]
             nbytes = piece.numel() * piece.element_size()
-            if buf is None or buf.numel() < nbytes:
-                buf = torch.empty(max(nbytes, HOST_CHUNK), dtype=torch.uint8, pin_memory=True)
-            host = buf[:nbytes].view(piece.dtype)
+            if buffers[k] is None or buffers[k].numel() < nbytes:
+                buffers[k] = torch.empty(max(nbytes, HOST_CHUNK), dtype=torch.uint8, pin_memory=True)
+            host = buffers[k][:nbytes].view(piece.dtype)
             host.copy_(piece, non_blocking=True)
-            torch.cuda.current_stream(part.device).synchronize()
-            yield host
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(part.device))
+            if pending is not None:
+                pending[1].synchronize()
+                yield pending[0]
+            pending, k = (host, event), 1 - k
+    if pending is not None:
+        pending[1].synchronize()
+        yield pending[0]
 
 
 class Staging:
