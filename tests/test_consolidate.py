@@ -75,13 +75,14 @@ def test_deepspeed_names(bf16_ckpt, tmp_path):
 
 
 def test_transformers_from_pretrained_loads_the_output(pool, tmp_path):
-    """A Hugging Face GPT-2 trained at stage 3 on 2 ranks: the consolidated directory (with the
-    model's config.json) loads with from_pretrained and holds the trained weights."""
+    """A Hugging Face GPT-2 trained at stage 3 on 2 ranks, its config.json saved beside the
+    checkpoints: the consolidated directory loads with from_pretrained and holds the trained
+    weights."""
     from transformers import AutoModelForCausalLM
     trained = pool.run(ct.hf_save_task, 2, 3, str(tmp_path / "ckpt"))[0]
     out = tmp_path / "hf"
-    consolidate(tmp_path / "ckpt", out)
-    (out / "config.json").write_text((tmp_path / "ckpt" / "config.json").read_text())
+    written = consolidate(tmp_path / "ckpt", out)
+    assert out / "config.json" in written  # saved beside the checkpoints, copied along
     model = AutoModelForCausalLM.from_pretrained(out)
     got = dict(model.named_parameters())
     for name, value in trained.items():

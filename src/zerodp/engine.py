@@ -31,10 +31,9 @@ import contextlib
 import logging
 import math
 import time
-import warnings
 import weakref
 from collections import defaultdict
-from typing import Any, Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -42,13 +41,13 @@ from torch import nn
 
 from . import accelerator
 from .comm import Comm, Handle
-from .config import Config, ConfigError, resolve_batch_sizes
+from .config import Config, resolve_batch_sizes
+from .assemble import (adopt_replaced_params, broadcast_initial_state, build_flat_groups, build_lr_scheduler,
+                       build_optimizer, user_param_groups)
 from .fetch import (Prefetcher, Unit, external_users, initialize_meta_units, install_external_hooks,
                     install_unit_hooks, plan_units, register_params)
-from .flat import FlatGroup
 from .memory import measure_model_states
 from .monitor import monitor_from_config
-from .optim import build_scheduler, check_elementwise, optimizer_factory_from_config
 from .precision import LossScaler, PrecisionPolicy
 from .stages import StagePolicy, policy_for
 
@@ -122,15 +121,6 @@ def _unit_done_hook(engine: "ZeroEngine") -> Callable[[Unit], None]:
     return done
 
 
-def _as_tensor_list(params) -> list:
-    """A param group's ``params`` as a list of tensors, as torch optimizers accept them: a
-    single tensor, an iterable of tensors, or of ``(name, tensor)`` pairs."""
-    if isinstance(params, torch.Tensor):
-        return [params]
-    return [p[1] if isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) else p
-            for p in params]
-
-
 class ZeroEngine(nn.Module):
     """Wraps a model for ZeRO data-parallel training (see ``zerodp.initialize``)."""
 
@@ -171,14 +161,18 @@ class ZeroEngine(nn.Module):
         else:
             self.module = model.to(self.device)
 
-        groups = self._user_param_groups(model_parameters, optimizer)
+        groups = user_param_groups(self.module, model_parameters, optimizer)
         unit_plan, self._unit_of = ([("", self.module)], {}) if not self.policy.shard_parameters \
             else plan_units(self.module, self.zero_config.stage3_param_persistence_threshold,
                             tuple(unit_classes))
-        self.flat_groups = self._build_flat_groups(groups)
-        self._adopt_replaced_params()
+        sharding = self.policy.shard_optimizer  # partitions: 1/N of each group per rank, or all of it
+        self.flat_groups = build_flat_groups(
+            self.module, groups, self._unit_of, self.zero_config.reduce_bucket_size,
+            partitions=self.dp_world_size if sharding else 1, rank=self.dp_rank if sharding else 0,
+            device=self.device)
+        adopt_replaced_params(self.module, self.flat_groups)
         self.trainable = [g for g in self.flat_groups if g.trainable]
-        self._broadcast_initial_state()
+        broadcast_initial_state(self.comm, self.module, self.flat_groups)
         self.units: list[Unit] = []
         self._unit_hooks = []
         if self.policy.shard_parameters:
@@ -192,8 +186,8 @@ class ZeroEngine(nn.Module):
         for g in self.trainable:  # 16-bit parameters: the optimizer updates fp32 masters
             master = g.make_master() if self.precision.keeps_master(g.dtype) else g.shard
             pieces_by_group[g.param_group].extend(g.make_piece_params(master))
-        self.optimizer = self._build_optimizer(groups, pieces_by_group, optimizer)
-        self.lr_scheduler = self._build_lr_scheduler(lr_scheduler)
+        self.optimizer = build_optimizer(config, groups, pieces_by_group, optimizer)
+        self.lr_scheduler = build_lr_scheduler(config, self.optimizer, lr_scheduler)
 
         self._hooks = [p.register_post_accumulate_grad_hook(_grad_hook(self, t, i))
                        for t, g in enumerate(self.trainable) for i, p in enumerate(g.params)]
@@ -212,88 +206,6 @@ class ZeroEngine(nn.Module):
         self._checkpointer = None
 
     # -- set-up -------------------------------------------------------------------------
-
-    def _user_param_groups(self, model_parameters, optimizer) -> list[dict]:
-        """The optimizer param groups as dicts of {"params": [...], hyperparameters...}."""
-        if isinstance(optimizer, torch.optim.Optimizer):
-            if model_parameters is not None:
-                warnings.warn("zerodp uses the param groups of the optimizer passed in; "
-                              "model_parameters is ignored", UserWarning, stacklevel=3)
-            groups = [dict(g) for g in optimizer.param_groups]
-        elif model_parameters is not None:
-            mp = _as_tensor_list(model_parameters) if isinstance(model_parameters, torch.Tensor) \
-                else list(model_parameters)
-            groups = ([dict(g) for g in mp] if mp and isinstance(mp[0], dict) else [{"params": mp}])
-        else:
-            groups = [{"params": [p for p in self.module.parameters() if p.requires_grad]}]
-        model_ids = {id(p) for p in self.module.parameters()}
-        seen: dict[int, int] = {}
-        for gi, g in enumerate(groups):
-            g["params"] = _as_tensor_list(g["params"])
-            for p in g["params"]:
-                if not isinstance(p, torch.Tensor) or id(p) not in model_ids:
-                    what = f"a tensor of shape {tuple(p.shape)}" if isinstance(p, torch.Tensor) \
-                        else f"a {type(p).__name__}"
-                    raise ValueError(f"param group {gi} holds {what} that is not a parameter of the model")
-                if id(p) in seen:
-                    raise ValueError(f"a parameter of shape {tuple(p.shape)} is in param groups "
-                                     f"{seen[id(p)]} and {gi}; each parameter may be in one group")
-                seen[id(p)] = gi
-        return groups
-
-    def _build_flat_groups(self, groups: list[dict]) -> list[FlatGroup]:
-        """Cut parameters into flat groups of at most ``reduce_bucket_size`` elements.
-
-        Parameters are taken in reverse registration order (roughly the order backward
-        produces their gradients), one open bucket per (param group, dtype, trained or not,
-        stage-3 unit);
-        groups are numbered by the position of their last parameter, so that group order
-        is the order in which they are expected to become ready.
-        """
-        group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
-        named = list(self.module.named_parameters())
-        left_out = [n for n, p in named if p.requires_grad and id(p) not in group_of]
-        if left_out:
-            warnings.warn(f"zerodp: trainable parameters not given to the optimizer stay frozen and "
-                          f"unsynchronized: {', '.join(left_out[:5])}{' ...' if len(left_out) > 5 else ''}",
-                          UserWarning, stacklevel=3)
-        cap = int(self.zero_config.reduce_bucket_size)
-        open_buckets: dict[tuple, list] = {}
-        open_sizes: dict[tuple, int] = {}
-        closed: list[tuple[int, tuple, list]] = []
-        order = [(n, p) for n, p in reversed(named) if id(p) in group_of or not p.requires_grad]
-        for pos, (name, p) in enumerate(order):
-            key = (group_of.get(id(p), -1), p.dtype, p.requires_grad and id(p) in group_of,
-                   self._unit_of.get(id(p), 0))
-            bucket = open_buckets.setdefault(key, [])
-            if bucket and open_sizes[key] + p.numel() > cap:
-                closed.append((pos - 1, key, bucket))
-                bucket = open_buckets[key] = []
-            open_sizes[key] = (open_sizes[key] if bucket else 0) + p.numel()
-            bucket.append((name, p))
-        last_pos = {n: pos for pos, (n, _) in enumerate(order)}
-        for key, bucket in open_buckets.items():
-            if bucket:
-                closed.append((last_pos[bucket[-1][0]], key, bucket))
-        closed.sort(key=lambda c: c[0])
-        partitions = self.dp_world_size if self.policy.shard_optimizer else 1
-        rank = self.dp_rank if self.policy.shard_optimizer else 0
-        return [FlatGroup(i, bucket, param_group=max(key[0], 0), trainable=key[2], unit=key[3],
-                          partitions=partitions, rank=rank, device=self.device)
-                for i, (_, key, bucket) in enumerate(closed)]
-
-    def _adopt_replaced_params(self) -> None:
-        """Put the parameters that replaced meta-device ones into the modules (tied
-        parameters stay tied: every slot holding the old one gets the same new one)."""
-        new = {old: p for g in self.flat_groups for old, p in g.replaced.items()}
-        if not new:
-            return
-        for mod in self.module.modules():
-            for name, p in list(mod._parameters.items()):
-                if p is not None and id(p) in new:
-                    mod._parameters[name] = new[id(p)]
-        for _, params in external_users(self.module):
-            params[:] = [new.get(id(p), p) for p in params]
 
     def _setup_units(self, unit_plan, meta: bool, param_init_fn) -> None:
         """Stage 3: keep only shards, make the units and their hooks, and give a model built
@@ -318,61 +230,6 @@ class ZeroEngine(nn.Module):
         if meta:
             initialize_meta_units(self.units, self.config.seed or 0, self.device, param_init_fn,
                                   self.prefetcher)
-
-    def _broadcast_initial_state(self) -> None:
-        """Start every rank from rank 0's parameters and buffers (parameters built on the
-        meta device are initialized identically on every rank instead)."""
-        for g in self.flat_groups:
-            if not g.replaced:
-                self.comm.broadcast(g.full)
-        for b in self.module.buffers():
-            self.comm.broadcast(b)
-
-    def _build_optimizer(self, groups, pieces_by_group, optimizer) -> torch.optim.Optimizer:
-        cfg = self.config.optimizer
-        if cfg is not None and optimizer is not None:
-            raise ConfigError("optimizer: the config has an 'optimizer' block and an optimizer was "
-                              "also passed to initialize; give one or the other")
-        hyper = [{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in groups]
-        new_groups = [dict(h, params=pieces) for h, pieces in zip(hyper, pieces_by_group)]
-        if isinstance(optimizer, torch.optim.Optimizer):
-            check_elementwise(type(optimizer))
-            if len(optimizer.state):
-                raise ValueError("the optimizer passed to initialize already has state; pass a "
-                                 "freshly constructed optimizer")
-            for g, pieces in zip(optimizer.param_groups, pieces_by_group):
-                g["params"] = pieces
-                if "param_names" in g:
-                    g["param_names"] = [f"piece{i}" for i in range(len(pieces))]
-            return optimizer
-        if callable(optimizer):
-            opt = optimizer(new_groups)
-            check_elementwise(type(opt))
-            return opt
-        if cfg is None:
-            raise ConfigError("optimizer: no optimizer; add an 'optimizer' block to the config "
-                              "(e.g. {\"type\": \"AdamW\", \"params\": {\"lr\": 3e-4}}) or pass optimizer=")
-        cls, kwargs = optimizer_factory_from_config(cfg.type, dict(cfg.params))
-        check_elementwise(cls)
-        return cls(new_groups, **kwargs)
-
-    def _build_lr_scheduler(self, lr_scheduler):
-        if self.config.scheduler is not None:
-            if lr_scheduler is not None:
-                warnings.warn("zerodp uses the config's 'scheduler' block; the lr_scheduler passed "
-                              "to initialize is ignored", UserWarning, stacklevel=4)
-            return build_scheduler(self.optimizer, self.config.scheduler.type,
-                                   dict(self.config.scheduler.params))
-        if lr_scheduler is None:
-            return None
-        if isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
-            if lr_scheduler.optimizer is not self.optimizer:
-                raise ValueError("lr_scheduler is bound to a different optimizer; pass a callable "
-                                 "that takes the optimizer, or build it on the optimizer you pass in")
-            return lr_scheduler
-        if callable(lr_scheduler):
-            return lr_scheduler(self.optimizer)
-        raise TypeError(f"lr_scheduler: expected an LRScheduler or a callable, got {type(lr_scheduler)}")
 
     # -- forward / backward -------------------------------------------------------------
 

@@ -6,6 +6,7 @@ safetensors files, ``model.safetensors`` or, above ``max_shard_size``, ``model-0
 streams: each tensor is read from the ranks' files and converted a chunk of
 ``CHUNK_ELEMENTS`` at a time, so peak memory stays about one chunk (tens of MB), whatever
 the model or tensor size. It reads zerodp and DeepSpeed checkpoints alike (any ``Source``).
+A ``config.json`` found in the checkpoint directory is copied beside the weights.
 
 :func:`get_fp32_state_dict_from_zero_checkpoint` and
 :func:`load_state_dict_from_zero_checkpoint` are DeepSpeed's names for the in-memory form.
@@ -17,6 +18,7 @@ import json
 import logging
 import os
 import re
+import shutil
 from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Optional
@@ -38,6 +40,9 @@ logger = logging.getLogger("zerodp")
 CHUNK_ELEMENTS = 4 << 20
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 WEIGHTS, WEIGHTS_INDEX = "model.safetensors", "model.safetensors.index.json"
+#: Files copied next to the weights when found in the checkpoint directory (a transformers
+#: model's config), so that ``from_pretrained`` loads the output directory as it is.
+MODEL_FILES = ("config.json", "generation_config.json")
 
 
 def parse_size(text) -> int:
@@ -145,6 +150,11 @@ def consolidate(checkpoint_dir, output_dir, tag: Optional[str] = None, dtype: Op
         finally:
             if bar is not None:
                 bar.close()
+        for extra in MODEL_FILES:  # a transformers model's config saved beside the checkpoints
+            for where in (Path(checkpoint_dir), src.path):
+                if (where / extra).is_file() and not (out_dir / extra).exists():
+                    shutil.copyfile(where / extra, out_dir / extra)
+                    written.append(out_dir / extra)
         if len(shards) > 1:
             weight_map = {o: fname for fname, shard in zip(names, shards) for o, *_ in shard}
             (out_dir / WEIGHTS_INDEX).write_text(json.dumps(

@@ -1,0 +1,169 @@
+"""How an engine is put together from a model: param groups, flat groups, the initial state
+every rank starts from, the optimizer over this rank's pieces, and the learning-rate scheduler.
+
+``ZeroEngine.__init__`` calls these in order; they run once, before the first step.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from .comm import Comm
+from .config import Config, ConfigError
+from .fetch import external_users
+from .flat import FlatGroup
+from .optim import build_scheduler, check_elementwise, optimizer_factory_from_config
+
+
+def as_tensor_list(params) -> list:
+    """A param group's ``params`` as a list of tensors, as torch optimizers accept them: a
+    single tensor, an iterable of tensors, or of ``(name, tensor)`` pairs."""
+    if isinstance(params, torch.Tensor):
+        return [params]
+    return [p[1] if isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) else p
+            for p in params]
+
+
+def user_param_groups(module: nn.Module, model_parameters, optimizer) -> list[dict]:
+    """The optimizer param groups as dicts of {"params": [...], hyperparameters...}."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if model_parameters is not None:
+            warnings.warn("zerodp uses the param groups of the optimizer passed in; "
+                          "model_parameters is ignored", UserWarning, stacklevel=4)
+        groups = [dict(g) for g in optimizer.param_groups]
+    elif model_parameters is not None:
+        mp = as_tensor_list(model_parameters) if isinstance(model_parameters, torch.Tensor) \
+            else list(model_parameters)
+        groups = ([dict(g) for g in mp] if mp and isinstance(mp[0], dict) else [{"params": mp}])
+    else:
+        groups = [{"params": [p for p in module.parameters() if p.requires_grad]}]
+    model_ids = {id(p) for p in module.parameters()}
+    seen: dict[int, int] = {}
+    for gi, g in enumerate(groups):
+        g["params"] = as_tensor_list(g["params"])
+        for p in g["params"]:
+            if not isinstance(p, torch.Tensor) or id(p) not in model_ids:
+                what = f"a tensor of shape {tuple(p.shape)}" if isinstance(p, torch.Tensor) \
+                    else f"a {type(p).__name__}"
+                raise ValueError(f"param group {gi} holds {what} that is not a parameter of the model")
+            if id(p) in seen:
+                raise ValueError(f"a parameter of shape {tuple(p.shape)} is in param groups "
+                                 f"{seen[id(p)]} and {gi}; each parameter may be in one group")
+            seen[id(p)] = gi
+    return groups
+
+
+def build_flat_groups(module: nn.Module, groups: list[dict], unit_of: dict[int, int], bucket_numel: int,
+                      partitions: int, rank: int, device: torch.device) -> list[FlatGroup]:
+    """Cut parameters into flat groups of at most ``reduce_bucket_size`` elements.
+
+    Parameters are taken in reverse registration order (roughly the order backward
+    produces their gradients), one open bucket per (param group, dtype, trained or not,
+    stage-3 unit);
+    groups are numbered by the position of their last parameter, so that group order
+    is the order in which they are expected to become ready.
+    """
+    group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
+    named = list(module.named_parameters())
+    left_out = [n for n, p in named if p.requires_grad and id(p) not in group_of]
+    if left_out:
+        warnings.warn(f"zerodp: trainable parameters not given to the optimizer stay frozen and "
+                      f"unsynchronized: {', '.join(left_out[:5])}{' ...' if len(left_out) > 5 else ''}",
+                      UserWarning, stacklevel=4)
+    cap = int(bucket_numel)
+    open_buckets: dict[tuple, list] = {}
+    open_sizes: dict[tuple, int] = {}
+    closed: list[tuple[int, tuple, list]] = []
+    order = [(n, p) for n, p in reversed(named) if id(p) in group_of or not p.requires_grad]
+    for pos, (name, p) in enumerate(order):
+        key = (group_of.get(id(p), -1), p.dtype, p.requires_grad and id(p) in group_of,
+               unit_of.get(id(p), 0))
+        bucket = open_buckets.setdefault(key, [])
+        if bucket and open_sizes[key] + p.numel() > cap:
+            closed.append((pos - 1, key, bucket))
+            bucket = open_buckets[key] = []
+        open_sizes[key] = (open_sizes[key] if bucket else 0) + p.numel()
+        bucket.append((name, p))
+    last_pos = {n: pos for pos, (n, _) in enumerate(order)}
+    for key, bucket in open_buckets.items():
+        if bucket:
+            closed.append((last_pos[bucket[-1][0]], key, bucket))
+    closed.sort(key=lambda c: c[0])
+    return [FlatGroup(i, bucket, param_group=max(key[0], 0), trainable=key[2], unit=key[3],
+                      partitions=partitions, rank=rank, device=device)
+            for i, (_, key, bucket) in enumerate(closed)]
+
+
+def adopt_replaced_params(module: nn.Module, flat_groups: list[FlatGroup]) -> None:
+    """Put the parameters that replaced meta-device ones into the modules (tied
+    parameters stay tied: every slot holding the old one gets the same new one)."""
+    new = {old: p for g in flat_groups for old, p in g.replaced.items()}
+    if not new:
+        return
+    for mod in module.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is not None and id(p) in new:
+                mod._parameters[name] = new[id(p)]
+    for _, params in external_users(module):
+        params[:] = [new.get(id(p), p) for p in params]
+
+
+def broadcast_initial_state(comm: Comm, module: nn.Module, flat_groups: list[FlatGroup]) -> None:
+    """Start every rank from rank 0's parameters and buffers (parameters built on the
+    meta device are initialized identically on every rank instead)."""
+    for g in flat_groups:
+        if not g.replaced:
+            comm.broadcast(g.full)
+    for b in module.buffers():
+        comm.broadcast(b)
+
+
+def build_optimizer(config: Config, groups: list[dict], pieces_by_group: list[list], optimizer
+                    ) -> torch.optim.Optimizer:
+    cfg = config.optimizer
+    if cfg is not None and optimizer is not None:
+        raise ConfigError("optimizer: the config has an 'optimizer' block and an optimizer was "
+                          "also passed to initialize; give one or the other")
+    hyper = [{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in groups]
+    new_groups = [dict(h, params=pieces) for h, pieces in zip(hyper, pieces_by_group)]
+    if isinstance(optimizer, torch.optim.Optimizer):
+        check_elementwise(type(optimizer))
+        if len(optimizer.state):
+            raise ValueError("the optimizer passed to initialize already has state; pass a "
+                             "freshly constructed optimizer")
+        for g, pieces in zip(optimizer.param_groups, pieces_by_group):
+            g["params"] = pieces
+            if "param_names" in g:
+                g["param_names"] = [f"piece{i}" for i in range(len(pieces))]
+        return optimizer
+    if callable(optimizer):
+        opt = optimizer(new_groups)
+        check_elementwise(type(opt))
+        return opt
+    if cfg is None:
+        raise ConfigError("optimizer: no optimizer; add an 'optimizer' block to the config "
+                          "(e.g. {\"type\": \"AdamW\", \"params\": {\"lr\": 3e-4}}) or pass optimizer=")
+    cls, kwargs = optimizer_factory_from_config(cfg.type, dict(cfg.params))
+    check_elementwise(cls)
+    return cls(new_groups, **kwargs)
+
+
+def build_lr_scheduler(config: Config, optimizer: torch.optim.Optimizer, lr_scheduler):
+    if config.scheduler is not None:
+        if lr_scheduler is not None:
+            warnings.warn("zerodp uses the config's 'scheduler' block; the lr_scheduler passed "
+                          "to initialize is ignored", UserWarning, stacklevel=5)
+        return build_scheduler(optimizer, config.scheduler.type,
+                               dict(config.scheduler.params))
+    if lr_scheduler is None:
+        return None
+    if isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
+        if lr_scheduler.optimizer is not optimizer:
+            raise ValueError("lr_scheduler is bound to a different optimizer; pass a callable "
+                             "that takes the optimizer, or build it on the optimizer you pass in")
+        return lr_scheduler
+    if callable(lr_scheduler):
+        return lr_scheduler(optimizer)
+    raise TypeError(f"lr_scheduler: expected an LRScheduler or a callable, got {type(lr_scheduler)}")
