@@ -94,6 +94,33 @@ class FileRecord:
         return cls(bytes=int(d["bytes"]), crc32=[int(c) for c in d["crc32"]], block=int(d["block"]))
 
 
+#: Written bytes are handed to the kernel's writeback every this many bytes, so the disk works
+#: while the rest is written instead of from the final fsync on (Linux's dirty-page thresholds
+#: would otherwise hold gigabytes in the page cache first).
+WRITEBACK_BYTES = 64 << 20
+
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _libc_sync_file_range():
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+    return fn
+
+
+_sync_file_range = _libc_sync_file_range()
+
+
+def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Start writing the range to disk without waiting (Linux ``sync_file_range``; elsewhere a no-op:
+    the final fsync writes it)."""
+    if _sync_file_range is not None:
+        _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
+
+
 class _Checksum:
     """Running per-block CRC-32 over a byte stream."""
 
@@ -188,6 +215,7 @@ class TensorWriter:
         self._next = 0
         self._left = 0  # bytes still owed to the tensor being written
         self._size = 0
+        self._flushed = 0  # bytes handed to the disk's writeback so far
         self._write(memoryview(header))
 
     def _write(self, mv: memoryview) -> None:
@@ -198,12 +226,16 @@ class TensorWriter:
         else:
             self._crc.update(mv)
             self._write_all(mv)
-        self._size += len(mv)
 
     def _write_all(self, mv: memoryview) -> None:
         pos = 0
         while pos < len(mv):
-            pos += os.write(self._fd, mv[pos:pos + (1 << 30)])
+            n = os.write(self._fd, mv[pos:pos + WRITEBACK_BYTES])
+            pos += n
+            self._size += n
+            if self._size - self._flushed >= WRITEBACK_BYTES:  # let the disk start on it now
+                _start_writeback(self._fd, self._flushed, self._size - self._flushed)
+                self._flushed = self._size
 
     def write(self, name: str, parts: Iterable[torch.Tensor] | torch.Tensor) -> None:
         """Write tensor ``name`` (the next in :attr:`order`) from ``parts``."""
@@ -261,6 +293,82 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor],
     return w.close()
 
 
+def _plan_chunks(chunks: list[tuple[int, int]], spans: list[tuple]) -> list[tuple[list, list]]:
+    """Per chunk [a, b): the segments one ``preadv`` fills, in file order, as ``(x, y, view)``
+    (``view`` the bytes of an out, or None for scratch at offset ``x - a``), and the copies from
+    scratch to outs that follow, as ``(x, y, dtype, out slice)``."""
+    shared = set()  # spans whose bytes another span also wants: read through scratch
+    reach, reach_k = -1, -1
+    for k, (lo, hi, _, _) in enumerate(spans):
+        if lo < reach:
+            shared.update((k, reach_k))
+        if hi > reach:
+            reach, reach_k = hi, k
+    plans = []
+    si = 0
+    for a, b in chunks:
+        while si < len(spans) and spans[si][1] <= a:
+            si += 1
+        segments: list[tuple[int, int, Optional[memoryview]]] = []
+        copies = []
+        pos = a
+        k = si
+        while k < len(spans) and spans[k][0] < b:
+            lo, hi, dtype, out = spans[k]
+            s0, s1 = max(lo, a), min(hi, b)
+            size = torch.empty((), dtype=dtype).element_size()
+            piece = out[(s0 - lo) // size:(s1 - lo) // size]
+            direct = (k not in shared and out.device.type == "cpu" and out.dtype == dtype
+                      and piece.is_contiguous())
+            k += 1
+            if s0 > pos:
+                segments.append((pos, s0, None))
+            if direct:
+                segments.append((s0, s1, byte_view(piece)))
+                pos = s1
+            else:  # through scratch (read once even where requests overlap)
+                if s1 > pos:
+                    segments.append((max(s0, pos), s1, None))
+                copies.append((s0, s1, dtype, piece))
+                pos = max(pos, s1)
+        if pos < b:
+            segments.append((pos, b, None))
+        plans.append((_merge_scratch(segments), copies))
+    return plans
+
+
+def _merge_scratch(segments: list[tuple]) -> list[tuple]:
+    """Adjacent scratch segments as one (fewer iovecs)."""
+    merged: list[tuple] = []
+    for seg in segments:
+        if merged and seg[2] is None and merged[-1][2] is None and merged[-1][1] == seg[0]:
+            merged[-1] = (merged[-1][0], seg[1], None)
+        else:
+            merged.append(seg)
+    return merged
+
+
+_IOV_MAX = max(16, min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024))
+
+
+def _preadv_all(fd: int, views: list[memoryview], offset: int, path: Path) -> None:
+    """Fill ``views`` with the file's bytes from ``offset`` on, in order (short reads resumed)."""
+    pending = [v for v in views if len(v)]
+    i = 0
+    while i < len(pending):
+        n = os.preadv(fd, pending[i:i + _IOV_MAX], offset)
+        if n <= 0:
+            raise CheckpointError(f"{path}: short read at byte {offset}")
+        offset += n
+        while n:
+            if n >= len(pending[i]):
+                n -= len(pending[i])
+                i += 1
+            else:
+                pending[i] = pending[i][n:]
+                n = 0
+
+
 def load_file(path: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors file, by name (a small reader: no checksum record)."""
     f = TensorFile(path)
@@ -298,7 +406,6 @@ class TensorFile:
             raise CheckpointError(f"{self.path}: {size} bytes on disk, {record.bytes} when written: "
                                   "the file is truncated or was overwritten")
         self.size = size
-        self._verified: set[int] = set()
         try:
             head = os.pread(self._fd, 8, 0)
             if len(head) < 8:
@@ -339,19 +446,6 @@ class TensorFile:
 
     # -- integrity ------------------------------------------------------------------------
 
-    def _check_blocks(self, first: int, data: memoryview) -> None:
-        """Verify the CRC of every block in ``data``, which starts at block ``first``."""
-        rec = self.record
-        for k in range(0, len(data), rec.block):
-            b = first + k // rec.block
-            if b in self._verified:
-                continue
-            if b >= len(rec.crc32) or zlib.crc32(data[k:k + rec.block]) != rec.crc32[b]:
-                lo = b * rec.block
-                raise CheckpointError(f"{self.path}: checksum mismatch in bytes {lo}-{min(lo + rec.block, self.size)}: "
-                                      "the file is corrupted")
-            self._verified.add(b)
-
     def _check_range(self, lo: int, hi: int) -> None:
         """Read and verify the blocks covering bytes [lo, hi)."""
         b = self.record.block
@@ -360,7 +454,7 @@ class TensorFile:
         STATS["bytes_read"] += len(data)
         if len(data) != stop - start:
             raise CheckpointError(f"{self.path}: short read at byte {start}")
-        self._check_blocks(start // b, memoryview(data))
+        self._verify(start, [memoryview(data)])
 
     # -- reads ----------------------------------------------------------------------------
 
@@ -378,8 +472,14 @@ class TensorFile:
 
     def read_ranges(self, requests: list[tuple[str, int, int, torch.Tensor]]) -> None:
         """Fill each ``(name, lo, hi, out)``: elements [lo, hi) of tensor ``name`` into the
-        1-D tensor ``out`` (cast to its dtype, on any device). Reads go in file order, in
-        chunks of ``READ_CHUNK`` bytes aligned to blocks, each verified before use."""
+        1-D tensor ``out`` (cast to its dtype, on any device).
+
+        Reads go in file order, in chunks of ``READ_CHUNK`` bytes aligned to checksum blocks:
+        one ``preadv`` per chunk puts the bytes of each request straight into its ``out`` where
+        that is a contiguous CPU tensor of the stored dtype, and everything else (bytes between
+        requests, requests to cast or to move to a device) into a scratch buffer. Every block is
+        verified against its CRC as read; a second thread reads and verifies the next chunk while
+        this one's scratch bytes are copied out."""
         spans = []
         for name, lo, hi, out in requests:
             e = self._entry(name)
@@ -393,8 +493,7 @@ class TensorFile:
             return
         spans.sort(key=lambda s: s[0])
         align = self.record.block if self.record is not None else 1 << 16
-        # chunks: runs of aligned windows that cover the requested bytes
-        windows: list[tuple[int, int]] = []
+        windows: list[tuple[int, int]] = []  # runs of aligned blocks that cover the requests
         for lo, hi, _, _ in spans:
             a, b = lo // align * align, min(-(-hi // align) * align, self.size)
             if windows and a <= windows[-1][1]:
@@ -403,45 +502,56 @@ class TensorFile:
                 windows.append((a, b))
         step = max(READ_CHUNK // align, 1) * align
         chunks = [(a, min(a + step, w1)) for w0, w1 in windows for a in range(w0, w1, step)]
-        # two buffers: the next chunk is read and verified in a second thread while this one's
-        # bytes are copied out (pread and zlib release the GIL)
+        plans = _plan_chunks(chunks, spans)
         longest = max(b - a for a, b in chunks)
-        buffers = [torch.empty(longest, dtype=torch.uint8), torch.empty(longest if len(chunks) > 1 else 0,
-                                                                       dtype=torch.uint8)]
+        scratch = [torch.empty(longest, dtype=torch.uint8) for _ in range(min(2, len(chunks)))]
         pool = ThreadPoolExecutor(1)
         try:
-            ahead = pool.submit(self._read_chunk, *chunks[0], buffers[0])
-            si = 0
-            for ci, (a, b) in enumerate(chunks):
+            ahead = pool.submit(self._read_chunk, chunks[0], plans[0], scratch[0])
+            for ci in range(len(chunks)):
                 buf = ahead.result()
                 if ci + 1 < len(chunks):
-                    ahead = pool.submit(self._read_chunk, *chunks[ci + 1], buffers[(ci + 1) % 2])
-                # copy out every span overlapping [a, b)
-                while si < len(spans) and spans[si][1] <= a:
-                    si += 1
-                k = si
-                while k < len(spans) and spans[k][0] < b:
-                    lo, hi, dtype, out = spans[k]
-                    s0, s1 = max(lo, a), min(hi, b)
-                    size = torch.empty((), dtype=dtype).element_size()
-                    src = buf[s0 - a:s1 - a].view(dtype)
-                    o0 = (s0 - lo) // size
-                    out[o0:o0 + src.numel()].copy_(src)
-                    k += 1
+                    ahead = pool.submit(self._read_chunk, chunks[ci + 1], plans[ci + 1], scratch[(ci + 1) % 2])
+                a = chunks[ci][0]
+                for s0, s1, dtype, target in plans[ci][1]:  # scratch bytes that belong to an out
+                    target.copy_(buf[s0 - a:s1 - a].view(dtype))
         finally:
             pool.shutdown()
 
-    def _read_chunk(self, a: int, b: int, into: torch.Tensor) -> torch.Tensor:
-        """Bytes [a, b) of the file, read into ``into`` and verified against the record."""
-        buf = into[:b - a]
-        mv = byte_view(buf)
-        got = 0
-        while got < b - a:
-            n = os.preadv(self._fd, [mv[got:]], a + got)
-            if n <= 0:
-                raise CheckpointError(f"{self.path}: short read at byte {a + got}")
-            got += n
+    def _read_chunk(self, chunk: tuple[int, int], plan, scratch: torch.Tensor) -> torch.Tensor:
+        """Read bytes [a, b) as ``plan`` lays them out (into outs, or ``scratch`` at their offset
+        from ``a``) and verify their blocks; returns the scratch buffer."""
+        a, b = chunk
+        segments, _ = plan
+        scratch_mv = byte_view(scratch[:b - a])
+        views = [mv if mv is not None else scratch_mv[x - a:y - a] for x, y, mv in segments]
+        _preadv_all(self._fd, views, a, self.path)
         STATS["bytes_read"] += b - a
         if self.record is not None:
-            self._check_blocks(a // self.record.block, mv)
-        return buf
+            self._verify(a, views)
+        return scratch
+
+    def _verify(self, start: int, views: list[memoryview]) -> None:
+        """Check the CRC of the blocks that ``views`` (the file's bytes from ``start``, a block
+        boundary, to a block boundary or the end of the file) make up."""
+        rec = self.record
+        block, crc, fill = start // rec.block, 0, 0
+        for mv in views:
+            pos = 0
+            while pos < len(mv):
+                take = min(len(mv) - pos, rec.block - fill)
+                crc = zlib.crc32(mv[pos:pos + take], crc)
+                fill += take
+                pos += take
+                if fill == rec.block:
+                    self._check_block(block, crc)
+                    block, crc, fill = block + 1, 0, 0
+        if fill:
+            self._check_block(block, crc)
+
+    def _check_block(self, block: int, crc: int) -> None:
+        rec = self.record
+        if block >= len(rec.crc32) or crc != rec.crc32[block]:
+            lo = block * rec.block
+            raise CheckpointError(f"{self.path}: checksum mismatch in bytes {lo}-{min(lo + rec.block, self.size)}: "
+                                  "the file is corrupted")
