@@ -315,6 +315,9 @@ def _plan_chunks(chunks: list[tuple[int, int]], spans: list[tuple]) -> list[tupl
         k = si
         while k < len(spans) and spans[k][0] < b:
             lo, hi, dtype, out = spans[k]
+            if hi <= a:  # ends before this chunk (behind a longer span that does not)
+                k += 1
+                continue
             s0, s1 = max(lo, a), min(hi, b)
             size = torch.empty((), dtype=dtype).element_size()
             piece = out[(s0 - lo) // size:(s1 - lo) // size]
