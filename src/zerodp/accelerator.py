@@ -5,10 +5,13 @@ collective backend goes with it, so CPU + gloo and CUDA + NCCL share all code.
 """
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger("zerodp")
 
 
 def local_rank() -> int:
@@ -41,6 +44,15 @@ def init_distributed(backend: str | None = None) -> bool:
     device = default_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    # Imported before the group exists: imported after (as the optimizers do), it keeps gloo's
+    # threads alive past destroy_process_group, and one that ends during interpreter
+    # shutdown aborts the process ("terminate called without an active exception").
+    import torch._dynamo  # noqa: F401
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and \
+            int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        logger.warning("restarted by torchrun, which kept its store from the failed attempt: if the "
+                       "process group cannot connect (gloo 'Connection refused'), launch torchrun with "
+                       "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment (zerodp train does)")
     dist.init_process_group(backend=backend or backend_for(device))
     return True
 

@@ -54,6 +54,9 @@ def _worker_env(nproc: int) -> dict[str, str]:
     env[train.WORKER_ENV] = "1"
     if "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    # torchrun otherwise hands restarted ranks the store of the failed attempt, whose stale
+    # gloo addresses make the restart fail to connect
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     return env
 
 
@@ -63,6 +66,8 @@ def _run_train(args: argparse.Namespace) -> int:
 
     if os.environ.get(train.WORKER_ENV) == "1":  # already one of the launched ranks
         return train.main(train.to_argv(args))
+    if args.max_restarts:
+        args.resume = True  # a restart goes on from the last checkpoint
     try:
         train.check_args(args)
         with warnings.catch_warnings():

@@ -172,7 +172,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "training goes on while a host copy of each rank's shard is written")
     ckpt.add_argument("--max-restarts", type=_non_negative_int, default=0, metavar="N",
                       help="restart all ranks up to N times when one fails (torchrun's option of that "
-                           "name); use with --resume (default: %(default)s)")
+                           "name); implies --resume, so a restarted run continues from its last "
+                           "checkpoint (default: %(default)s)")
     metrics = parser.add_argument_group("metrics")
     metrics.add_argument("--metrics-dir", metavar="DIR", default=None,
                          help="write one row of metrics per optimizer step (loss, learning rate, "

@@ -62,9 +62,8 @@ def load_checkpoint(engine: "ZeroEngine", load_dir, tag: Optional[str] = None, *
                               f"{[r for r, f in enumerate(found) if f]} only; the checkpoint directory "
                               "must be one directory every rank can read")
     if tag_dir is None:
-        if engine.dp_rank == 0:
-            logger.warning("no checkpoint to resume from: %s has no 'latest' file (pass tag= to load a "
-                           "specific one)", load_dir)
+        if engine.dp_rank == 0:  # the first start of a script that always tries to resume
+            logger.info("no checkpoint to resume from: %s has no 'latest' file", load_dir)
         return None, None
     try:
         client_state = load_into_engine(engine, src, strict=load_module_strict,

@@ -15,6 +15,7 @@ training step's collectives.
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 from datetime import timedelta
 from typing import Optional
@@ -38,7 +39,8 @@ def _store_prefix(ranks: tuple[int, ...]) -> str:
     and loads are collective), so the n-th one of a group has the same prefix on every rank."""
     with _LOCK:
         n = next(_COUNTERS.setdefault(ranks, itertools.count()))
-    return f"zerodp/checkpoint/{'_'.join(map(str, ranks))}/{n}/"
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # a store may outlive a restart
+    return f"zerodp/checkpoint/{attempt}/{'_'.join(map(str, ranks))}/{n}/"
 
 
 class Coordinator:
