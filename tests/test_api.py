@@ -202,7 +202,7 @@ def test_initialize_errors(pool):
     check("optimizer_with_state", "ValueError", "already has state")
     check("lamb_instance", "ValueError", "MyLamb", "elementwise")
     check("lamb_callable", "ValueError", "MyLamb", "elementwise")
-    check("lamb_config", "ValueError", "Lamb", "elementwise")
+    check("lamb_config", "ConfigError", "Lamb", "elementwise")
     check("bad_stage", "ConfigError", "zero_optimization.stage", "0, 1, 2, 3")
     check("batch_not_divisible", "ConfigError", "train_batch_size 7",
           "train_micro_batch_size_per_gpu 2 x world_size 2 = 4")

@@ -1,5 +1,11 @@
 """zerodp: ZeRO data-parallel training for PyTorch with DeepSpeed-compatible configs.
 
+A DeepSpeed script ports by changing its imports (``import zerodp as deepspeed``, ``from
+zerodp.X import Y`` for ``from deepspeed.X import Y``): the package has DeepSpeed's everyday names
+(``initialize``, ``init_distributed``, ``add_config_arguments``, ``zero``, ``comm``,
+``accelerator.get_accelerator``, ``checkpointing``, ``utils``, ``ops.adam``); the DeepSpeed
+features it does not implement raise an error naming them (``unsupported.py``).
+
 The API in brief::
 
     engine, optimizer, loader, scheduler = zerodp.initialize(
@@ -11,24 +17,30 @@ The API in brief::
 """
 from __future__ import annotations
 
+import argparse
 import logging
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from . import accelerator
-from .config import PRESETS, Config, ConfigError, load_config, resolve_batch_sizes
+from . import accelerator, checkpointing, comm, ops, unsupported, utils, zero  # noqa: F401 (DeepSpeed's modules)
 from .checkpoint import CheckpointError
+from .comm import init_distributed
+from .config import PRESETS, Config, ConfigError, load_config, resolve_batch_sizes
 from .data import DataLoader
 from .engine import ZeroEngine
 from .estimator import estimate
 from .fetch import GatheredParameters, register_external_parameter
 
-__all__ = ["initialize", "CheckpointError", "GatheredParameters", "register_external_parameter", "ZeroEngine", "Config", "ConfigError", "load_config", "PRESETS",
-           "resolve_batch_sizes", "estimate"]
+__all__ = ["initialize", "init_distributed", "add_config_arguments", "CheckpointError", "GatheredParameters",
+           "register_external_parameter", "ZeroEngine", "DeepSpeedEngine", "Config", "ConfigError",
+           "load_config", "PRESETS", "resolve_batch_sizes", "estimate"]
 __version__ = "0.1.0"
+
+#: DeepSpeed's engine class name (for ``isinstance`` checks in ported scripts).
+DeepSpeedEngine = ZeroEngine
+unsupported.install()
 
 _log = logging.getLogger("zerodp")
 if not _log.handlers:
@@ -39,10 +51,32 @@ if not _log.handlers:
     _log.propagate = False
 
 
+def __getattr__(name: str):
+    if name in unsupported.NOT_IMPLEMENTED:
+        raise unsupported.error(name)
+    raise AttributeError(f"module 'zerodp' has no attribute {name!r}")
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add DeepSpeed's command-line options (``--deepspeed``, ``--deepspeed_config``, and the
+    older ``--deepscale``/``--deepscale_config``) and zerodp's (``--zerodp``, ``--zerodp_config``)
+    to ``parser``; ``initialize(args=...)`` reads the config path from them."""
+    group = parser.add_argument_group("zerodp", "zerodp (DeepSpeed-compatible) configuration")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="enable DeepSpeed-style training (a flag for the script; zerodp always runs)")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed JSON config file")
+    group.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
+    group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
+    group.add_argument("--zerodp", default=False, action="store_true", help="the same as --deepspeed")
+    group.add_argument("--zerodp_config", default=None, type=str, help="the same as --deepspeed_config")
+    return parser
+
+
 def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimizer: Any = None,
                model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
-               config: Any = None, config_params: Any = None, dist_init_required: Optional[bool] = None,
-               collate_fn: Any = None, process_group: Optional[dist.ProcessGroup] = None,
+               distributed_port: int = 29500, mpu: Any = None, dist_init_required: Optional[bool] = None,
+               collate_fn: Any = None, config: Any = None, mesh_param: Any = None, config_params: Any = None,
+               process_group: Optional[dist.ProcessGroup] = None,
                preset: Optional[str] = None, unit_classes: Any = (), param_init_fn: Any = None):
     """Wrap ``model`` for ZeRO training; DeepSpeed's ``deepspeed.initialize`` signature.
 
@@ -71,12 +105,18 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
         raise ValueError("initialize needs model=")
     if config is None:
         config = config_params
+    if mpu is not None or mesh_param is not None:
+        raise unsupported.NotImplementedInZerodp(
+            "zerodp does not implement tensor or pipeline model parallelism (initialize's mpu= and "
+            "mesh_param=): it shards over data-parallel ranks only; pass process_group= for a "
+            "data-parallel group narrower than the world")
     if config is None and args is not None:
-        config = getattr(args, "deepspeed_config", None) or getattr(args, "zerodp_config", None)
+        config = (getattr(args, "deepspeed_config", None) or getattr(args, "zerodp_config", None)
+                  or getattr(args, "deepscale_config", None))
     if config is None and preset is None:
         raise ConfigError("no config: pass config= (a dict or a JSON path) or preset=")
     cfg = load_config(config, preset=preset)
-    if dist_init_required is not False:
+    if dist_init_required is not False:  # from a launcher's environment; alone, no group is needed
         accelerator.init_distributed()
     engine = ZeroEngine(model, cfg, model_parameters=model_parameters, optimizer=optimizer,
                         lr_scheduler=lr_scheduler, process_group=process_group,

@@ -10,7 +10,7 @@ import warnings
 import torch
 from torch import nn
 
-from .comm import Comm
+from .collectives import Comm
 from .config import Config, ConfigError
 from .fetch import external_users
 from .flat import FlatGroup
@@ -145,9 +145,31 @@ def build_optimizer(config: Config, groups: list[dict], pieces_by_group: list[li
     if cfg is None:
         raise ConfigError("optimizer: no optimizer; add an 'optimizer' block to the config "
                           "(e.g. {\"type\": \"AdamW\", \"params\": {\"lr\": 3e-4}}) or pass optimizer=")
-    cls, kwargs = optimizer_factory_from_config(cfg.type, dict(cfg.params))
+    try:
+        cls, kwargs = optimizer_factory_from_config(cfg.type, dict(cfg.params))
+    except ValueError as e:
+        raise ConfigError(f"optimizer: {e}") from None
     check_elementwise(cls)
-    return cls(new_groups, **kwargs)
+    try:
+        return cls(new_groups, **kwargs)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{_optimizer_key(str(e), kwargs)}: {cfg.type} rejects it: {e}") from None
+
+
+#: Words in torch optimizers' error messages -> the config key they are about.
+_PARAM_WORDS = (("learning rate", "lr"), ("epsilon", "eps"), ("beta", "betas"), ("weight_decay", "weight_decay"),
+                ("weight decay", "weight_decay"), ("momentum", "momentum"), ("dampening", "dampening"),
+                ("alpha", "alpha"), ("lr_decay", "lr_decay"), ("rho", "rho"))
+
+
+def _optimizer_key(message: str, kwargs: dict) -> str:
+    """The ``optimizer.params`` key an optimizer's error is about, as a config path."""
+    low = message.lower()
+    for words, key in _PARAM_WORDS:
+        if words in low:
+            return f"optimizer.params.{key}"
+    unexpected = [k for k in kwargs if f"'{k}'" in message]
+    return f"optimizer.params.{unexpected[0]}" if unexpected else "optimizer.params"
 
 
 def build_lr_scheduler(config: Config, optimizer: torch.optim.Optimizer, lr_scheduler):

@@ -1,182 +1,169 @@
-"""Every collective zerodp issues goes through this module.
+"""DeepSpeed's ``deepspeed.comm``: the collectives a training script calls itself.
 
-It knows the backend and picks the form of each collective that is fast there:
-
-* NCCL: ``reduce_scatter_single`` / ``all_gather_single`` (the tensor forms), run in place.
-* gloo: those tensor forms are emulated and slow, and so is its list-form
-  reduce-scatter; a reduce-scatter is issued as one ``reduce`` per owner and an
-  all-gather as one ``broadcast`` per owner, all asynchronous.
-
-Reductions always use SUM; callers divide locally (AVG has had silent bugs on gloo).
-
-Byte counting (``CommCounter``): bytes *sent per rank* by the ring algorithm for the
-logical collective, whatever algorithm the backend really runs, so that figures
-compare across backends and with the ZeRO paper. For a buffer of ``B`` bytes split
-over ``N`` ranks:
-
-* all-reduce: ``2 * B * (N - 1) / N``
-* reduce-scatter (``B`` = the full input): ``B * (N - 1) / N``
-* all-gather (``B`` = the full output): ``B * (N - 1) / N``
-* control (small all-reduces of norms and flags): counted the same as all-reduce but
-  under their own kind, so bulk traffic stays exact.
+Thin faces over ``torch.distributed`` with DeepSpeed's names and signatures (its profiling
+keywords ``prof``, ``log_name`` and ``debug`` are accepted and ignored), so ``import zerodp.comm
+as dist`` works where a script had ``import deepspeed.comm as dist``. The engine's own collectives
+(backend-aware forms, byte counts) are in ``zerodp.collectives``; ``log_summary`` prints what
+they moved.
 """
 from __future__ import annotations
 
-from collections import defaultdict
-from typing import Callable, Optional
+import os
+import weakref
+from datetime import timedelta
+from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
+import torch.distributed as _dist
+from torch.distributed import ReduceOp
 
-COLLECTIVE_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "control")
+from . import accelerator
 
+__all__ = ["ReduceOp", "init_distributed", "is_initialized", "is_available", "get_rank", "get_world_size",
+           "get_local_rank", "get_global_rank", "get_backend", "barrier", "all_reduce", "broadcast",
+           "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce", "gather", "scatter",
+           "send", "recv", "isend", "irecv", "new_group", "destroy_process_group", "log_summary"]
 
-class CommCounter:
-    """Bytes moved per collective kind, for the step in progress and the last finished step."""
-
-    def __init__(self) -> None:
-        self.current: dict[str, int] = defaultdict(int)
-        self.last_step: dict[str, int] = {k: 0 for k in COLLECTIVE_KINDS}
-
-    def add(self, kind: str, nbytes: float) -> None:
-        self.current[kind] += int(round(nbytes))
-
-    def close_step(self) -> None:
-        """Make the counts so far the last step's, and start counting afresh."""
-        self.last_step = {k: self.current.get(k, 0) for k in COLLECTIVE_KINDS}
-        self.current = defaultdict(int)
+_ENGINES: "weakref.WeakSet" = weakref.WeakSet()
 
 
-class Handle:
-    """Outstanding collective work; ``wait()`` blocks until done and runs ``then`` once."""
-
-    def __init__(self, works: list, then: Optional[Callable[[], None]] = None) -> None:
-        self._works = [w for w in works if w is not None]
-        self._then = then
-        self.done = False
-
-    def wait(self) -> None:
-        if self.done:
-            return
-        for w in self._works:
-            w.wait()
-        self.done = True
-        if self._then is not None:
-            self._then()
+def register_engine(engine) -> None:
+    """Remember a live engine, for :func:`log_summary`."""
+    _ENGINES.add(engine)
 
 
-class Comm:
-    """The collectives of one process group, with the backend's fast forms and byte counts.
+def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: bool = True,
+                     distributed_port: int = 29500, verbose: bool = True,
+                     timeout: timedelta = timedelta(minutes=30), init_method: Optional[str] = None,
+                     dist_init_required: Optional[bool] = None, config: Any = None,
+                     rank: int = -1, world_size: int = -1) -> None:
+    """Start the default process group unless it is started (DeepSpeed's signature).
 
-    ``group`` is always explicit (``None`` means the default group) so that data-parallel
-    groups narrower than the world (hybrid or tensor-parallel layouts) use the same code.
+    Under a launcher (torchrun sets ``RANK``/``WORLD_SIZE``) the group comes from its
+    environment; with ``init_method``, ``rank`` and ``world_size`` from those; otherwise the
+    process is a group of one (``MASTER_ADDR`` 127.0.0.1 and a free port, unless ``MASTER_ADDR`` /
+    ``MASTER_PORT`` are set; ``distributed_port`` is accepted for DeepSpeed's signature).
+    The backend is NCCL on CUDA and gloo on CPU unless ``dist_backend`` says otherwise.
+    ``auto_mpi_discovery`` is accepted; zerodp does not read MPI's environment.
     """
-
-    def __init__(self, group: Optional[dist.ProcessGroup] = None) -> None:
-        self.distributed = dist.is_available() and dist.is_initialized()
-        self.group = group
-        if self.distributed:
-            self.world_size = dist.get_world_size(group)
-            self.rank = dist.get_rank(group)
-            self.backend = str(dist.get_backend(group)).lower()
-            self._global_ranks = [dist.get_global_rank(group, i) if group is not None else i
-                                  for i in range(self.world_size)]
-        else:
-            self.world_size, self.rank, self.backend = 1, 0, "none"
-            self._global_ranks = [0]
-        self.counter = CommCounter()
-
-    @property
-    def use_tensor_forms(self) -> bool:
-        return self.backend == "nccl"
-
-    # -- collectives -------------------------------------------------------------------
-
-    def all_reduce_sum(self, tensor: torch.Tensor, async_op: bool = False, kind: str = "all_reduce",
-                       then: Optional[Callable[[], None]] = None) -> Handle:
-        """Sum ``tensor`` in place over the group."""
-        n = self.world_size
-        if n == 1:
-            return self._finish(Handle([], then), async_op)
-        self.counter.add(kind, 2 * tensor.numel() * tensor.element_size() * (n - 1) / n)
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        return self._finish(Handle([work], then), async_op)
-
-    def reduce_scatter_sum(self, full: torch.Tensor, async_op: bool = False,
-                           then: Optional[Callable[[], None]] = None) -> Handle:
-        """Sum ``full`` over the group into this rank's chunk of it, in place.
-
-        ``full`` is 1-D with a length divisible by the group size; after the wait, chunk
-        ``rank`` of ``full`` holds the sum. The other chunks are used as scratch and hold
-        unspecified values.
-        """
-        n = self.world_size
-        if n == 1:
-            return self._finish(Handle([], then), async_op)
-        self.counter.add("reduce_scatter", full.numel() * full.element_size() * (n - 1) / n)
-        chunks = full.chunk(n)
-        if self.use_tensor_forms:
-            works = [dist.reduce_scatter_single(chunks[self.rank], full, op=dist.ReduceOp.SUM,
-                                                group=self.group, async_op=True)]
-        else:
-            works = [dist.reduce(c, dst=self._global_ranks[i], op=dist.ReduceOp.SUM,
-                                 group=self.group, async_op=True) for i, c in enumerate(chunks)]
-        return self._finish(Handle(works, then), async_op)
-
-    def all_gather(self, full: torch.Tensor, async_op: bool = False,
-                   then: Optional[Callable[[], None]] = None) -> Handle:
-        """Fill every chunk of ``full`` from the rank that owns it, in place.
-
-        ``full`` is 1-D with a length divisible by the group size; chunk ``rank`` must
-        hold this rank's data on entry.
-        """
-        n = self.world_size
-        if n == 1:
-            return self._finish(Handle([], then), async_op)
-        self.counter.add("all_gather", full.numel() * full.element_size() * (n - 1) / n)
-        chunks = full.chunk(n)
-        if self.use_tensor_forms:
-            works = [dist.all_gather_single(full, chunks[self.rank], group=self.group, async_op=True)]
-        else:
-            works = [dist.broadcast(c, src=self._global_ranks[i], group=self.group, async_op=True)
-                     for i, c in enumerate(chunks)]
-        return self._finish(Handle(works, then), async_op)
-
-    def all_gather_ints(self, values: list[int]) -> list[list[int]]:
-        """Every rank's short list of ints (same length on every rank), in rank order;
-        counted as control traffic."""
-        if self.world_size == 1:
-            return [list(values)]
-        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else None
-        mine = torch.tensor(values, dtype=torch.int64, device=device)
-        out = [torch.empty_like(mine) for _ in range(self.world_size)]
-        self.counter.add("control", mine.numel() * 8 * (self.world_size - 1))
-        dist.all_gather(out, mine, group=self.group)
-        return [t.tolist() for t in out]
-
-    def broadcast(self, tensor: torch.Tensor, src_rank: int = 0) -> None:
-        """Broadcast ``tensor`` from group rank ``src_rank`` (used at start-up, not counted)."""
-        if self.world_size > 1:
-            dist.broadcast(tensor, src=self._global_ranks[src_rank], group=self.group)
-
-    @staticmethod
-    def _finish(handle: Handle, async_op: bool) -> Handle:
-        if not async_op:
-            handle.wait()
-        return handle
+    if dist_init_required is False or (_dist.is_available() and _dist.is_initialized()):
+        return
+    if init_method is not None or (rank >= 0 and world_size > 0):
+        backend = dist_backend or accelerator.backend_for(accelerator.default_device())
+        _dist.init_process_group(backend=backend, init_method=init_method or "env://",
+                                 rank=rank, world_size=world_size, timeout=timeout)
+        return
+    if "WORLD_SIZE" not in os.environ:  # not launched: a group of one
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"))
+    accelerator.init_distributed(dist_backend)
 
 
-def all_gather_numbers(values: dict[str, float], group: Optional[dist.ProcessGroup] = None,
-                       device: Optional[torch.device] = None) -> list[dict[str, float]]:
-    """Every rank's ``values`` (same keys on every rank), in rank order.
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
-    For reports (memory tables, benchmark rows): unlike ``all_gather_object`` it needs no
-    pickling and no NumPy. Not counted in the byte statistics.
-    """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        return [dict(values)]
-    keys = sorted(values)
-    mine = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
-    out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, mine, group=group)
-    return [dict(zip(keys, t.tolist())) for t in out]
+
+def is_initialized() -> bool:
+    return _dist.is_available() and _dist.is_initialized()
+
+
+def is_available() -> bool:
+    return _dist.is_available()
+
+
+def get_rank(group=None) -> int:
+    return _dist.get_rank(group) if is_initialized() else 0
+
+
+def get_world_size(group=None) -> int:
+    return _dist.get_world_size(group) if is_initialized() else 1
+
+
+def get_local_rank() -> int:
+    """This process's index on its node (``LOCAL_RANK``)."""
+    return accelerator.local_rank()
+
+
+def get_global_rank(group=None, group_rank: int = 0) -> int:
+    return _dist.get_global_rank(group, group_rank) if group is not None else group_rank
+
+
+def get_backend(group=None) -> str:
+    return _dist.get_backend(group)
+
+
+def barrier(group=None, async_op: bool = False, device_ids=None, **_ignored):
+    return _dist.barrier(group=group, async_op=async_op, device_ids=device_ids)
+
+
+def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, **_ignored):
+    return _dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False, **_ignored):
+    return _dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+
+
+def all_gather(tensor_list: list, tensor: torch.Tensor, group=None, async_op: bool = False, **_ignored):
+    return _dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+
+
+def all_gather_into_tensor(output_tensor, tensor, group=None, async_op: bool = False, **_ignored):
+    return _dist.all_gather_into_tensor(output_tensor, tensor, group=group, async_op=async_op)
+
+
+def reduce_scatter_tensor(output_tensor, tensor, op=ReduceOp.SUM, group=None, async_op: bool = False,
+                          **_ignored):
+    return _dist.reduce_scatter_tensor(output_tensor, tensor, op=op, group=group, async_op=async_op)
+
+
+def reduce(tensor, dst: int, op=ReduceOp.SUM, group=None, async_op: bool = False, **_ignored):
+    return _dist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op)
+
+
+def gather(tensor, gather_list=None, dst: int = 0, group=None, async_op: bool = False, **_ignored):
+    return _dist.gather(tensor, gather_list=gather_list, dst=dst, group=group, async_op=async_op)
+
+
+def scatter(tensor, scatter_list=None, src: int = 0, group=None, async_op: bool = False, **_ignored):
+    return _dist.scatter(tensor, scatter_list=scatter_list, src=src, group=group, async_op=async_op)
+
+
+def send(tensor, dst: int, group=None, tag: int = 0, **_ignored):
+    return _dist.send(tensor, dst=dst, group=group, tag=tag)
+
+
+def recv(tensor, src: Optional[int] = None, group=None, tag: int = 0, **_ignored):
+    return _dist.recv(tensor, src=src, group=group, tag=tag)
+
+
+def isend(tensor, dst: int, group=None, tag: int = 0, **_ignored):
+    return _dist.isend(tensor, dst=dst, group=group, tag=tag)
+
+
+def irecv(tensor, src: Optional[int] = None, group=None, tag: int = 0, **_ignored):
+    return _dist.irecv(tensor, src=src, group=group, tag=tag)
+
+
+def new_group(ranks=None, **kwargs):
+    return _dist.new_group(ranks=ranks, **kwargs)
+
+
+def destroy_process_group(group=None) -> None:
+    _dist.destroy_process_group(group)
+
+
+def log_summary(show_straggler: bool = False) -> None:
+    """Print, on rank 0, the bytes each live engine moved in its last optimizer step, per
+    collective kind (``engine.comm_stats()``; ``show_straggler`` is accepted and ignored)."""
+    if get_rank() != 0:
+        return
+    for i, engine in enumerate(list(_ENGINES)):
+        stats = engine.comm_stats()
+        parts = ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in stats.items())
+        print(f"zerodp engine {i} (ZeRO stage {engine.zero_stage}, {engine.world_size} ranks), last step: {parts}",
+              flush=True)

@@ -1,6 +1,6 @@
 """The training-loop verbs: forward, backward, step — one engine for every ZeRO stage.
 
-A gradient's journey (stage policy in ``stages.py``, collectives in ``comm.py``):
+A gradient's journey (stage policy in ``stages.py``, collectives in ``collectives.py``):
 
 1. ``backward(loss)`` scales the loss by 1/gradient_accumulation_steps and runs autograd.
 2. As autograd finishes each parameter, its post-accumulate-grad hook (``_on_grad_ready``)
@@ -39,15 +39,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import accelerator
-from .comm import Comm, Handle
-from .config import Config, resolve_batch_sizes
+from . import accelerator, comm as _ds_comm
+from .collectives import Comm, Handle
+from .config import Config, ConfigError, resolve_batch_sizes
+from .engine_api import EngineAPI
 from .assemble import (adopt_replaced_params, broadcast_initial_state, build_flat_groups, build_lr_scheduler,
                        build_optimizer, user_param_groups)
 from .fetch import (Prefetcher, Unit, external_users, initialize_meta_units, install_external_hooks,
                     install_unit_hooks, plan_units, register_params)
-from .memory import measure_model_states
 from .monitor import monitor_from_config
+from .plain_loop import PlainLoop
 from .precision import LossScaler, PrecisionPolicy
 from .stages import StagePolicy, policy_for
 
@@ -121,7 +122,7 @@ def _unit_done_hook(engine: "ZeroEngine") -> Callable[[Unit], None]:
     return done
 
 
-class ZeroEngine(nn.Module):
+class ZeroEngine(EngineAPI, nn.Module):
     """Wraps a model for ZeRO data-parallel training (see ``zerodp.initialize``)."""
 
     def __init__(self, model: nn.Module, config: Config, *, model_parameters=None,
@@ -161,21 +162,30 @@ class ZeroEngine(nn.Module):
         else:
             self.module = model.to(self.device)
 
-        groups = user_param_groups(self.module, model_parameters, optimizer)
-        unit_plan, self._unit_of = ([("", self.module)], {}) if not self.policy.shard_parameters \
-            else plan_units(self.module, self.zero_config.stage3_param_persistence_threshold,
+        # a model compiled with torch.compile runs compiled; names and units come from the model inside
+        self.base_module: nn.Module = getattr(self.module, "_orig_mod", self.module)
+        if self.base_module is not self.module and self.policy.shard_parameters:
+            raise ConfigError("zero_optimization.stage: 3 does not run a model compiled with torch.compile "
+                              "(its units are gathered and released by hooks around their forward, which "
+                              "a compiled graph does not call); use stage 0-2 with the compiled model, or "
+                              "stage 3 without compiling")
+        groups = user_param_groups(self.base_module, model_parameters, optimizer)
+        unit_plan, self._unit_of = ([("", self.base_module)], {}) if not self.policy.shard_parameters \
+            else plan_units(self.base_module, self.zero_config.stage3_param_persistence_threshold,
                             tuple(unit_classes))
         sharding = self.policy.shard_optimizer  # partitions: 1/N of each group per rank, or all of it
         self.flat_groups = build_flat_groups(
-            self.module, groups, self._unit_of, self.zero_config.reduce_bucket_size,
+            self.base_module, groups, self._unit_of, self.zero_config.reduce_bucket_size,
             partitions=self.dp_world_size if sharding else 1, rank=self.dp_rank if sharding else 0,
             device=self.device)
-        adopt_replaced_params(self.module, self.flat_groups)
+        adopt_replaced_params(self.base_module, self.flat_groups)
         self.trainable = [g for g in self.flat_groups if g.trainable]
-        broadcast_initial_state(self.comm, self.module, self.flat_groups)
+        broadcast_initial_state(self.comm, self.base_module, self.flat_groups)
         self.units: list[Unit] = []
         self._unit_hooks = []
         if self.policy.shard_parameters:
+            if meta and param_init_fn is None and callable(getattr(model, "_init_weights", None)):
+                param_init_fn = model._init_weights  # a transformers model's own initialization
             self._setup_units(unit_plan, meta, param_init_fn)
         register_params(self.flat_groups, self.comm, sharded=self.policy.shard_parameters)
         for g in self.trainable:
@@ -187,6 +197,8 @@ class ZeroEngine(nn.Module):
             master = g.make_master() if self.precision.keeps_master(g.dtype) else g.shard
             pieces_by_group[g.param_group].extend(g.make_piece_params(master))
         self.optimizer = build_optimizer(config, groups, pieces_by_group, optimizer)
+        self._plain = PlainLoop(self)  # before the scheduler, which wraps optimizer.step
+        _ds_comm.register_engine(self)  # for zerodp.comm.log_summary()
         self.lr_scheduler = build_lr_scheduler(config, self.optimizer, lr_scheduler)
 
         self._hooks = [p.register_post_accumulate_grad_hook(_grad_hook(self, t, i))
@@ -203,6 +215,8 @@ class ZeroEngine(nn.Module):
         self._reset_backward_state()
         self.monitor = monitor_from_config(config, self)
         self.training_dataloader = None  # set by zerodp.initialize(training_data=...)
+        self._in_engine_backward = False
+        self._step_applied = False
         self._checkpointer = None
 
     # -- set-up -------------------------------------------------------------------------
@@ -222,7 +236,7 @@ class ZeroEngine(nn.Module):
         for unit in self.units[1:]:
             self._unit_hooks += install_unit_hooks(unit, self.prefetcher, done)
         unit_of_param = {id(p): self.units[g.unit] for g in self.flat_groups for p in g.params}
-        for module, params in external_users(self.module):
+        for module, params in external_users(self.base_module):
             owners = {id(u): u for p in params if (u := unit_of_param.get(id(p))) is not None
                       and not u.is_root}
             if owners:
@@ -272,7 +286,11 @@ class ZeroEngine(nn.Module):
         if self.loss_scaler is not None:  # in fp32, so a 16-bit loss times the scale cannot overflow
             scaled = scaled.float() * self.loss_scaler.scale
         with self._timed("backward"), _explain_released_parameters(bool(self.units)):
-            scaled.backward(retain_graph=retain_graph)
+            self._in_engine_backward = True
+            try:
+                scaled.backward(retain_graph=retain_graph)
+            finally:
+                self._in_engine_backward = False
             if self._reducing:
                 self._finish_reduction()
             for unit in self.units:
@@ -303,6 +321,8 @@ class ZeroEngine(nn.Module):
         return self._buckets[t]
 
     def _on_grad_ready(self, t: int, i: int, param: nn.Parameter) -> None:
+        if not self._in_engine_backward and not self._plain.active:  # loss.backward() of a plain loop
+            self._plain.begin()
         g = self.trainable[t]
         self._used[t][i] = True
         if not self._reducing:
@@ -331,6 +351,8 @@ class ZeroEngine(nn.Module):
         Launching per unit (not per parameter) keeps the order of all-gathers and
         reduce-scatters the same on every rank even when a parameter inside a unit gets no
         gradient on some ranks."""
+        if not self._in_engine_backward and not self._plain.active:
+            self._plain.begin()
         if self._reducing:
             for t, g in enumerate(self.trainable):
                 if g.unit == unit.index and not self._ready[t]:
@@ -408,16 +430,27 @@ class ZeroEngine(nn.Module):
         """Count a micro-batch; at an accumulation boundary, update the parameters."""
         if not self.is_gradient_accumulation_boundary():
             self.micro_steps += 1
+            self._step_applied = False
             return
         if not self._reduced_for_boundary:
             raise RuntimeError(
                 "step() at a gradient-accumulation boundary, but that micro-batch's gradients were "
                 "not reduced: its backward ran inside no_sync() or engine.backward was not called. "
                 "Run the boundary micro-batch's backward outside no_sync().")
+        self._update(count_micro_step=True)
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """For a plain loop under fp16: ``engine.scale(loss).backward()`` (the loss times the
+        current loss scale, in fp32; the loss itself without fp16). See ``plain_loop.py``."""
+        return self._plain.scale(loss)
+
+    def _update(self, count_micro_step: bool) -> None:
+        """The update and its bookkeeping: from ``step()`` at an accumulation boundary, or from
+        ``optimizer.step()`` in a plain loop (which sets the micro-step count to match)."""
         with self._timed("step"):
             self._apply_update()
-        self.micro_steps += 1
         self.global_steps += 1
+        self.micro_steps = self.micro_steps + 1 if count_micro_step else self.global_steps * self._gas
         self.comm.counter.close_step()
         self._reduced_for_boundary = False
         if self.monitor is not None:
@@ -442,11 +475,13 @@ class ZeroEngine(nn.Module):
             self.loss_scaler.update(overflow)  # raises at the minimum scale
             if overflow:  # every rank saw the same norm: all skip this step together
                 self._skipped_steps += 1
+                self._step_applied = False
                 if self.comm.rank == 0:
                     logger.info("step %d: fp16 gradients overflowed; step skipped, loss scale now %g",
                                 self.global_steps + 1, self.loss_scaler.scale)
                 self.zero_grad()
                 return
+        self._step_applied = True
         clip = self.config.gradient_clipping
         if clip > 0:
             coef = clip / (norm + 1e-6)
@@ -455,7 +490,8 @@ class ZeroEngine(nn.Module):
                     grad.mul_(coef)
         for g, u, grad in zip(self.trainable, used, grads):
             g.attach_piece_grads(u, grad)
-        self.optimizer.step()
+        type(self.optimizer).step(self.optimizer)  # the class's step: the instance's is optimizer.step() of plain loops
+        self.optimizer._opt_called = True  # what torch's scheduler checks (its wrapper is on the instance's step)
         for g in self.trainable:
             g.write_back_master()
         if self.policy.gather_after_step:
@@ -507,115 +543,6 @@ class ZeroEngine(nn.Module):
             for pp in g.piece_params:
                 pp.grad = None
         self._used = [[False] * len(g.params) for g in self.trainable]
-
-    # -- queries ------------------------------------------------------------------------
-
-    def get_global_grad_norm(self) -> Optional[float]:
-        """L2 norm over all gradients of the last update, before clipping (None before the first)."""
-        return self._global_grad_norm
-
-    @property
-    def loss_scale(self) -> float:
-        """The current fp16 loss scale (1.0 without loss scaling)."""
-        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-
-    @property
-    def skipped_steps(self) -> int:
-        """Optimizer steps skipped because fp16 gradients overflowed."""
-        return self._skipped_steps
-
-    def get_lr(self) -> list[float]:
-        return [g["lr"] for g in self.optimizer.param_groups]
-
-    def train_batch_size(self) -> int:
-        return self._train_batch_size
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self._micro_batch_size
-
-    def gradient_accumulation_steps(self) -> int:
-        return self._gas
-
-    @property
-    def world_size(self) -> int:
-        return self.dp_world_size
-
-    @property
-    def global_rank(self) -> int:
-        return dist.get_rank() if self.comm.distributed else 0
-
-    @property
-    def local_rank(self) -> int:
-        return accelerator.local_rank()
-
-    @property
-    def zero_stage(self) -> int:
-        return self.policy.stage
-
-    def memory_breakdown(self) -> dict[str, int]:
-        """Bytes of model state held on this rank, by category, measured from the real tensors
-        (see ``zerodp.memory.measure_model_states``)."""
-        return measure_model_states(self)
-
-    def comm_stats(self) -> dict[str, int]:
-        """Bytes this rank moved in the last optimizer step (its whole accumulation window), per
-        collective kind, plus ``"total"``. Counted as ring-algorithm bytes sent per rank: an
-        all-reduce of B bytes over N ranks counts 2B(N-1)/N, a reduce-scatter or all-gather of a
-        B-byte buffer B(N-1)/N; ``"control"`` is the small norm/usage all-reduce."""
-        stats = dict(self.comm.counter.last_step)
-        stats["total"] = sum(stats.values())
-        return stats
-
-    def parameter_index(self) -> dict[str, dict]:
-        """Parameter name -> flat group, offset, numel and shape."""
-        index = {}
-        for g in self.flat_groups:
-            index.update(g.index_entries())
-        return index
-
-    # -- checkpoints (``checkpoint/``) ----------------------------------------------------
-
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
-                        exclude_frozen_parameters: bool = False, async_save: Optional[bool] = None) -> bool:
-        """Save to ``save_dir/tag`` (default tag ``global_step{N}``): every rank writes its shard
-        in parallel, rank 0 the index, committed atomically; ``save_dir/latest`` then names
-        the tag. ``client_state``: a dict of JSON values and tensors, returned by
-        ``load_checkpoint``. ``async_save`` (default: the config's ``checkpoint.async_save``)
-        returns once a host copy is staged and writes in the background. Every rank must call
-        it. See ``zerodp/checkpoint/save.py``."""
-        if self._checkpointer is None:
-            from .checkpoint.save import Checkpointer
-            self._checkpointer = Checkpointer(self)
-        if async_save is None:
-            async_save = self.config.checkpoint.async_save
-        return self._checkpointer.save(save_dir, tag, client_state, save_latest,
-                                       exclude_frozen_parameters, async_save)
-
-    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True,
-                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False):
-        """Load ``load_dir/tag`` (default: the tag ``load_dir/latest`` names), written by zerodp
-        at any world size and stage or by DeepSpeed; returns ``(path, client_state)``, or
-        ``(None, None)`` when there is no ``latest`` to follow. Every rank must call it."""
-        self.wait_for_checkpoint()
-        from .checkpoint import load_checkpoint
-        return load_checkpoint(self, load_dir, tag, load_module_strict=load_module_strict,
-                               load_optimizer_states=load_optimizer_states,
-                               load_lr_scheduler_states=load_lr_scheduler_states,
-                               load_module_only=load_module_only)
-
-    def wait_for_checkpoint(self) -> None:
-        """Wait for an asynchronous save in flight; raise its error if it failed."""
-        if self._checkpointer is not None:
-            self._checkpointer.wait()
-
-    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
-                         exclude_frozen_parameters: bool = False) -> bool:
-        """Write the full model's weights in the compute dtype (gathered at stage 3) to
-        ``save_dir/save_filename`` from rank 0: safetensors for a ``.safetensors`` name,
-        otherwise ``torch.save`` of the state dict. Every rank must call it."""
-        from .checkpoint.consolidate import save_16bit_model
-        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     def destroy(self) -> None:
         """Wait for an asynchronous save in flight, remove the gradient hooks and close the

@@ -26,7 +26,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .flat import FlatGroup
 
 if TYPE_CHECKING:
-    from .comm import Comm
+    from .collectives import Comm
 
 
 class Unit:
@@ -209,7 +209,8 @@ def plan_units(model: nn.Module, min_unit_params: int, unit_classes: tuple[type,
     parameter id to unit index.
 
     With ``unit_classes``, every module of those classes is a unit (like FSDP's wrap
-    policy), whatever its size. Otherwise, walking children before parents, a module becomes
+    policy), whatever its size. A module marked a leaf (``zerodp.utils.set_z3_leaf_modules``)
+    is a unit with its whole subtree, and nothing inside it is. Otherwise, walking children before parents, a module becomes
     a unit when the parameters of its subtree not yet claimed by a unit below it number at
     least ``min_unit_params`` elements. Containers that are never called (``ModuleList``, ``ModuleDict``) are never
     units. Parameters registered in more than one module stay with the root.
@@ -219,14 +220,15 @@ def plan_units(model: nn.Module, min_unit_params: int, unit_classes: tuple[type,
         for p in mod.parameters(recurse=False):
             holders[id(p)] = holders.get(id(p), 0) + 1
     shared = {pid for pid, n in holders.items() if n > 1}
+    inside_leaf = {id(m) for leaf in model.modules() if is_leaf(leaf) for m in leaf.modules() if m is not leaf}
     owner: dict[int, int] = {}
     units: list[tuple[str, nn.Module]] = [("", model)]
     for name, mod in reversed(list(model.named_modules())):
-        if mod is model or isinstance(mod, _NOT_CALLED):
+        if mod is model or isinstance(mod, _NOT_CALLED) or id(mod) in inside_leaf:
             continue
         mine = [p for p in mod.parameters() if id(p) not in owner and id(p) not in shared]
-        wanted = isinstance(mod, unit_classes) if unit_classes else \
-            sum(p.numel() for p in mine) >= min_unit_params
+        wanted = is_leaf(mod) or (isinstance(mod, unit_classes) if unit_classes else
+                                  sum(p.numel() for p in mine) >= min_unit_params)
         if mine and wanted:
             units.append((name, mod))
             for p in mine:
@@ -238,6 +240,15 @@ def plan_units(model: nn.Module, min_unit_params: int, unit_classes: tuple[type,
     order = sorted(range(len(units)), key=lambda u: position[id(units[u][1])])
     renumber = {old: new for new, old in enumerate(order)}
     return [units[u] for u in order], {pid: renumber[u] for pid, u in owner.items()}
+
+
+#: DeepSpeed's attribute for a module that ZeRO-3 treats as a leaf (``set_z3_leaf_modules``).
+LEAF_ATTR = "_z3_leaf"
+
+
+def is_leaf(module: nn.Module) -> bool:
+    """Whether ``module`` is marked a stage-3 leaf: one unit, its whole subtree, no unit inside."""
+    return bool(getattr(module, LEAF_ATTR, False))
 
 
 def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:

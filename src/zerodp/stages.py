@@ -8,7 +8,7 @@ The engine is one machine for every stage; a ``StagePolicy`` tells it:
   accumulation boundary, or after every micro-batch);
 * whether updated shards are all-gathered after the step.
 
-What happens to a gradient, stage by stage (``engine.py`` runs it; ``comm.py`` moves it):
+What happens to a gradient, stage by stage (``engine.py`` runs it; ``collectives.py`` moves it):
 
 =====  ====================  ===================================  =========================
 stage  gradient storage      reduction                            after the optimizer step

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from . import accelerator, initialize
 from . import monitor as monitor_module
-from .comm import all_gather_numbers
+from .collectives import all_gather_numbers
 from .config import PRESETS, Config, ConfigError, load_config, resolve_batch_sizes
 from .memory_check import compare_with_engine
 from .examples.gpt import GPT_PRESETS, Block, ByteCorpus, build_gpt

@@ -206,7 +206,7 @@ def save_16bit_model(engine: "ZeroEngine", save_dir, save_filename: str = "pytor
     coord = Coordinator(engine.comm)
     state: "OrderedDict[str, torch.Tensor]" = OrderedDict()
     aliases: dict[int, list[str]] = {}
-    for name, p in engine.module.named_parameters(remove_duplicate=False):
+    for name, p in engine.base_module.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
     for g in engine.flat_groups:
         if exclude_frozen_parameters and not g.trainable:
@@ -225,12 +225,12 @@ def save_16bit_model(engine: "ZeroEngine", save_dir, save_filename: str = "pytor
     if engine.dp_rank == 0:
         try:
             managed = {id(p) for g in engine.flat_groups for p in g.params}
-            for name, p in engine.module.named_parameters():
+            for name, p in engine.base_module.named_parameters():
                 if id(p) not in managed and not (exclude_frozen_parameters and not p.requires_grad):
                     state[name] = p.detach().to("cpu", copy=True)
-            for name, b in persistent_buffers(engine.module).items():
+            for name, b in persistent_buffers(engine.base_module).items():
                 state[name] = b.detach().to("cpu", copy=True)
-            order = [k for k in engine.module.state_dict().keys() if k in state]
+            order = [k for k in engine.base_module.state_dict().keys() if k in state]
             state = OrderedDict((k, state[k]) for k in order + [k for k in state if k not in order])
             path = Path(save_dir)
             path.mkdir(parents=True, exist_ok=True)

@@ -72,7 +72,7 @@ def model_aliases(module: torch.nn.Module) -> dict[str, str]:
 def loose_parameters(engine: "ZeroEngine") -> dict[str, torch.nn.Parameter]:
     """Model parameters outside every flat group (trainable ones not given to the optimizer)."""
     managed = {id(p) for g in engine.flat_groups for p in g.params}
-    return {n: p for n, p in engine.module.named_parameters() if id(p) not in managed}
+    return {n: p for n, p in engine.base_module.named_parameters() if id(p) not in managed}
 
 
 def persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -227,7 +227,7 @@ class RankPlan:
                 k = (pc["rank"], pc["group"])
                 pc["piece"] = counters.get(k, 0)
                 counters[k] = pc["piece"] + 1
-        order = [n for n, _ in engine.module.named_parameters() if n in params or n in self.loose]
+        order = [n for n, _ in engine.base_module.named_parameters() if n in params or n in self.loose]
         for name, p in self.loose.items():
             params[name] = {"shape": list(p.shape), "dtype": dtype_name(p.dtype), "param_group": None,
                             "state_keys": [], "scalars": None,
@@ -236,7 +236,7 @@ class RankPlan:
         return {"format": FORMAT, "version": VERSION, "world_size": world,
                 "zero_stage": engine.zero_stage, "compute_dtype": engine.config.compute_dtype,
                 "params": {n: params[n] for n in order},
-                "aliases": model_aliases(engine.module),
+                "aliases": model_aliases(engine.base_module),
                 "buffers": {n: {"shape": list(b.shape), "dtype": dtype_name(b.dtype)}
                             for n, b in self.buffers.items()}}
 
@@ -244,7 +244,7 @@ class RankPlan:
         """Rank 0 writes the unsharded tensors: loose parameters and persistent buffers."""
         self.loose = {n: p for n, p in loose_parameters(self.engine).items()
                       if not (self.exclude_frozen and not p.requires_grad)}
-        self.buffers = persistent_buffers(self.engine.module)
+        self.buffers = persistent_buffers(self.engine.base_module)
         if self.rank == 0:
             for name, p in self.loose.items():
                 self.add_whole(f"extra.{name}.value", p.detach())

@@ -225,7 +225,7 @@ class _Plan:
 
 def _match_names(engine: "ZeroEngine", src: Source, strict: bool) -> dict[str, str]:
     """Model parameter name -> the checkpoint's name for it; raises on mismatch (strict)."""
-    module = engine.module
+    module = engine.base_module
     model_alias = model_aliases(module)
     names = [n for n, _ in module.named_parameters()]
     shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
@@ -320,7 +320,7 @@ def _read_plan(engine: "ZeroEngine", src: Source, mapping: dict[str, str], with_
             reads.append(Read(cname, VALUE, 0, p.numel(), out))
             plan.loose[name] = out
     src.read(reads)
-    wanted = persistent_buffers(engine.module)
+    wanted = persistent_buffers(engine.base_module)
     if src.buffer_names:
         got = src.read_buffers()
         for name, buf in wanted.items():
@@ -382,10 +382,10 @@ def load_into_engine(engine: "ZeroEngine", src: Source, *, strict: bool = True,
             g.write_back_master()
             if not g.shards_parameters and g.partitions > 1:
                 engine.comm.all_gather(g.full)
-        params = dict(engine.module.named_parameters())
+        params = dict(engine.base_module.named_parameters())
         for name, value in plan.loose.items():
             params[name].copy_(value.view_as(params[name]))
-        buffers = persistent_buffers(engine.module)
+        buffers = persistent_buffers(engine.base_module)
         for name, value in plan.buffers.items():
             buffers[name].copy_(value)
     engine.zero_grad()

@@ -1,0 +1,182 @@
+"""Every collective zerodp issues goes through this module.
+
+It knows the backend and picks the form of each collective that is fast there:
+
+* NCCL: ``reduce_scatter_single`` / ``all_gather_single`` (the tensor forms), run in place.
+* gloo: those tensor forms are emulated and slow, and so is its list-form
+  reduce-scatter; a reduce-scatter is issued as one ``reduce`` per owner and an
+  all-gather as one ``broadcast`` per owner, all asynchronous.
+
+Reductions always use SUM; callers divide locally (AVG has had silent bugs on gloo).
+
+Byte counting (``CommCounter``): bytes *sent per rank* by the ring algorithm for the
+logical collective, whatever algorithm the backend really runs, so that figures
+compare across backends and with the ZeRO paper. For a buffer of ``B`` bytes split
+over ``N`` ranks:
+
+* all-reduce: ``2 * B * (N - 1) / N``
+* reduce-scatter (``B`` = the full input): ``B * (N - 1) / N``
+* all-gather (``B`` = the full output): ``B * (N - 1) / N``
+* control (small all-reduces of norms and flags): counted the same as all-reduce but
+  under their own kind, so bulk traffic stays exact.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+COLLECTIVE_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "control")
+
+
+class CommCounter:
+    """Bytes moved per collective kind, for the step in progress and the last finished step."""
+
+    def __init__(self) -> None:
+        self.current: dict[str, int] = defaultdict(int)
+        self.last_step: dict[str, int] = {k: 0 for k in COLLECTIVE_KINDS}
+
+    def add(self, kind: str, nbytes: float) -> None:
+        self.current[kind] += int(round(nbytes))
+
+    def close_step(self) -> None:
+        """Make the counts so far the last step's, and start counting afresh."""
+        self.last_step = {k: self.current.get(k, 0) for k in COLLECTIVE_KINDS}
+        self.current = defaultdict(int)
+
+
+class Handle:
+    """Outstanding collective work; ``wait()`` blocks until done and runs ``then`` once."""
+
+    def __init__(self, works: list, then: Optional[Callable[[], None]] = None) -> None:
+        self._works = [w for w in works if w is not None]
+        self._then = then
+        self.done = False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        for w in self._works:
+            w.wait()
+        self.done = True
+        if self._then is not None:
+            self._then()
+
+
+class Comm:
+    """The collectives of one process group, with the backend's fast forms and byte counts.
+
+    ``group`` is always explicit (``None`` means the default group) so that data-parallel
+    groups narrower than the world (hybrid or tensor-parallel layouts) use the same code.
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None) -> None:
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.group = group
+        if self.distributed:
+            self.world_size = dist.get_world_size(group)
+            self.rank = dist.get_rank(group)
+            self.backend = str(dist.get_backend(group)).lower()
+            self._global_ranks = [dist.get_global_rank(group, i) if group is not None else i
+                                  for i in range(self.world_size)]
+        else:
+            self.world_size, self.rank, self.backend = 1, 0, "none"
+            self._global_ranks = [0]
+        self.counter = CommCounter()
+
+    @property
+    def use_tensor_forms(self) -> bool:
+        return self.backend == "nccl"
+
+    # -- collectives -------------------------------------------------------------------
+
+    def all_reduce_sum(self, tensor: torch.Tensor, async_op: bool = False, kind: str = "all_reduce",
+                       then: Optional[Callable[[], None]] = None) -> Handle:
+        """Sum ``tensor`` in place over the group."""
+        n = self.world_size
+        if n == 1:
+            return self._finish(Handle([], then), async_op)
+        self.counter.add(kind, 2 * tensor.numel() * tensor.element_size() * (n - 1) / n)
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        return self._finish(Handle([work], then), async_op)
+
+    def reduce_scatter_sum(self, full: torch.Tensor, async_op: bool = False,
+                           then: Optional[Callable[[], None]] = None) -> Handle:
+        """Sum ``full`` over the group into this rank's chunk of it, in place.
+
+        ``full`` is 1-D with a length divisible by the group size; after the wait, chunk
+        ``rank`` of ``full`` holds the sum. The other chunks are used as scratch and hold
+        unspecified values.
+        """
+        n = self.world_size
+        if n == 1:
+            return self._finish(Handle([], then), async_op)
+        self.counter.add("reduce_scatter", full.numel() * full.element_size() * (n - 1) / n)
+        chunks = full.chunk(n)
+        if self.use_tensor_forms:
+            works = [dist.reduce_scatter_single(chunks[self.rank], full, op=dist.ReduceOp.SUM,
+                                                group=self.group, async_op=True)]
+        else:
+            works = [dist.reduce(c, dst=self._global_ranks[i], op=dist.ReduceOp.SUM,
+                                 group=self.group, async_op=True) for i, c in enumerate(chunks)]
+        return self._finish(Handle(works, then), async_op)
+
+    def all_gather(self, full: torch.Tensor, async_op: bool = False,
+                   then: Optional[Callable[[], None]] = None) -> Handle:
+        """Fill every chunk of ``full`` from the rank that owns it, in place.
+
+        ``full`` is 1-D with a length divisible by the group size; chunk ``rank`` must
+        hold this rank's data on entry.
+        """
+        n = self.world_size
+        if n == 1:
+            return self._finish(Handle([], then), async_op)
+        self.counter.add("all_gather", full.numel() * full.element_size() * (n - 1) / n)
+        chunks = full.chunk(n)
+        if self.use_tensor_forms:
+            works = [dist.all_gather_single(full, chunks[self.rank], group=self.group, async_op=True)]
+        else:
+            works = [dist.broadcast(c, src=self._global_ranks[i], group=self.group, async_op=True)
+                     for i, c in enumerate(chunks)]
+        return self._finish(Handle(works, then), async_op)
+
+    def all_gather_ints(self, values: list[int]) -> list[list[int]]:
+        """Every rank's short list of ints (same length on every rank), in rank order;
+        counted as control traffic."""
+        if self.world_size == 1:
+            return [list(values)]
+        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else None
+        mine = torch.tensor(values, dtype=torch.int64, device=device)
+        out = [torch.empty_like(mine) for _ in range(self.world_size)]
+        self.counter.add("control", mine.numel() * 8 * (self.world_size - 1))
+        dist.all_gather(out, mine, group=self.group)
+        return [t.tolist() for t in out]
+
+    def broadcast(self, tensor: torch.Tensor, src_rank: int = 0) -> None:
+        """Broadcast ``tensor`` from group rank ``src_rank`` (used at start-up, not counted)."""
+        if self.world_size > 1:
+            dist.broadcast(tensor, src=self._global_ranks[src_rank], group=self.group)
+
+    @staticmethod
+    def _finish(handle: Handle, async_op: bool) -> Handle:
+        if not async_op:
+            handle.wait()
+        return handle
+
+
+def all_gather_numbers(values: dict[str, float], group: Optional[dist.ProcessGroup] = None,
+                       device: Optional[torch.device] = None) -> list[dict[str, float]]:
+    """Every rank's ``values`` (same keys on every rank), in rank order.
+
+    For reports (memory tables, benchmark rows): unlike ``all_gather_object`` it needs no
+    pickling and no NumPy. Not counted in the byte statistics.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return [dict(values)]
+    keys = sorted(values)
+    mine = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
+    out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, mine, group=group)
+    return [dict(zip(keys, t.tolist())) for t in out]

@@ -1,0 +1,154 @@
+"""What a DeepSpeed script asks of its engine besides forward, backward and step: the queries
+(learning rate, gradient norm, batch sizes, ranks, precision, stage), the measured memory and
+traffic, and the checkpoint verbs (which live in ``checkpoint/``). ``ZeroEngine`` inherits them;
+``engine.py`` keeps the training step.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch.distributed as dist
+
+from . import accelerator
+from .memory import measure_model_states
+
+
+class EngineAPI:
+    """The query and checkpoint methods of ``ZeroEngine`` (DeepSpeed's names)."""
+
+    def get_global_grad_norm(self) -> Optional[float]:
+        """L2 norm over all gradients of the last update, before clipping (None before the first)."""
+        return self._global_grad_norm
+
+    @property
+    def loss_scale(self) -> float:
+        """The current fp16 loss scale (1.0 without loss scaling)."""
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped because fp16 gradients overflowed."""
+        return self._skipped_steps
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def train_batch_size(self) -> int:
+        return self._train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self._micro_batch_size
+
+    def gradient_accumulation_steps(self) -> int:
+        return self._gas
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_world_size
+
+    @property
+    def global_rank(self) -> int:
+        return dist.get_rank() if self.comm.distributed else 0
+
+    @property
+    def local_rank(self) -> int:
+        return accelerator.local_rank()
+
+    @property
+    def zero_stage(self) -> int:
+        return self.policy.stage
+
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes of model state held on this rank, by category, measured from the real tensors
+        (see ``zerodp.memory.measure_model_states``)."""
+        return measure_model_states(self)
+
+    def comm_stats(self) -> dict[str, int]:
+        """Bytes this rank moved in the last optimizer step (its whole accumulation window), per
+        collective kind, plus ``"total"``. Counted as ring-algorithm bytes sent per rank: an
+        all-reduce of B bytes over N ranks counts 2B(N-1)/N, a reduce-scatter or all-gather of a
+        B-byte buffer B(N-1)/N; ``"control"`` is the small norm/usage all-reduce."""
+        stats = dict(self.comm.counter.last_step)
+        stats["total"] = sum(stats.values())
+        return stats
+
+    def parameter_index(self) -> dict[str, dict]:
+        """Parameter name -> flat group, offset, numel and shape."""
+        index = {}
+        for g in self.flat_groups:
+            index.update(g.index_entries())
+        return index
+
+    # -- checkpoints (``checkpoint/``) ----------------------------------------------------
+
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False, async_save: Optional[bool] = None) -> bool:
+        """Save to ``save_dir/tag`` (default tag ``global_step{N}``): every rank writes its shard
+        in parallel, rank 0 the index, committed atomically; ``save_dir/latest`` then names
+        the tag. ``client_state``: a dict of JSON values and tensors, returned by
+        ``load_checkpoint``. ``async_save`` (default: the config's ``checkpoint.async_save``)
+        returns once a host copy is staged and writes in the background. Every rank must call
+        it. See ``zerodp/checkpoint/save.py``."""
+        if self._checkpointer is None:
+            from .checkpoint.save import Checkpointer
+            self._checkpointer = Checkpointer(self)
+        if async_save is None:
+            async_save = self.config.checkpoint.async_save
+        return self._checkpointer.save(save_dir, tag, client_state, save_latest,
+                                       exclude_frozen_parameters, async_save)
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False):
+        """Load ``load_dir/tag`` (default: the tag ``load_dir/latest`` names), written by zerodp
+        at any world size and stage or by DeepSpeed; returns ``(path, client_state)``, or
+        ``(None, None)`` when there is no ``latest`` to follow. Every rank must call it."""
+        self.wait_for_checkpoint()
+        from .checkpoint import load_checkpoint
+        return load_checkpoint(self, load_dir, tag, load_module_strict=load_module_strict,
+                               load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states,
+                               load_module_only=load_module_only)
+
+    def wait_for_checkpoint(self) -> None:
+        """Wait for an asynchronous save in flight; raise its error if it failed."""
+        if self._checkpointer is not None:
+            self._checkpointer.wait()
+
+    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Write the full model's weights in the compute dtype (gathered at stage 3) to
+        ``save_dir/save_filename`` from rank 0: safetensors for a ``.safetensors`` name,
+        otherwise ``torch.save`` of the state dict. Every rank must call it."""
+        from .checkpoint.consolidate import save_16bit_model
+        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+
+    # -- DeepSpeed's engine queries --------------------------------------------------------
+
+    def fp16_enabled(self) -> bool:
+        """Whether the config enables fp16 (inputs a script casts should be ``torch.half``)."""
+        return bool(self.config.fp16.enabled)
+
+    def bfloat16_enabled(self) -> bool:
+        return bool(self.config.bf16.enabled)
+
+    def zero_optimization_stage(self) -> int:
+        return self.policy.stage
+
+    def zero_optimization(self) -> bool:
+        return self.policy.stage > 0
+
+    def was_step_applied(self) -> bool:
+        """Whether the last ``step()`` updated the parameters (False between accumulation
+        boundaries and when fp16 gradients overflowed)."""
+        return self._step_applied
+
+    @property
+    def global_samples(self) -> int:
+        return self.global_steps * self.train_batch_size()
+
+    def get_data_parallel_rank(self) -> int:
+        return self.dp_rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dp_world_size

@@ -1,0 +1,1 @@
+"""DeepSpeed's ``deepspeed.ops`` names zerodp provides: ``zerodp.ops.adam``."""

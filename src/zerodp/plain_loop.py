@@ -1,0 +1,117 @@
+"""The loop people already have: ``loss.backward(); optimizer.step(); optimizer.zero_grad()``.
+
+``zerodp.initialize`` returns the engine and its optimizer; besides DeepSpeed's
+``engine.backward(loss); engine.step()``, they work the way DDP and torch's
+``ZeroRedundancyOptimizer`` are used, with PyTorch's semantics:
+
+* the user scales the loss for accumulation (``(loss / k).backward()`` k times), and the
+  config's ``gradient_accumulation_steps`` plays no part: every ``optimizer.step()`` updates;
+* gradients are averaged over the ranks, as DDP does;
+* communication: at stages 2-3 every ``backward()`` (outside ``engine.no_sync()``)
+  reduce-scatters its gradients in buckets while it runs, as ``engine.backward`` does; at
+  stages 0-1 gradients accumulate locally and ``optimizer.step()`` reduces them, then updates;
+* ``gradient_clipping`` from the config is applied at ``optimizer.step()`` to the global norm
+  (torch's ``clip_grad_norm_`` on the model's parameters cannot see gradient shards);
+* fp16 needs its loss scaled: ``engine.scale(loss).backward()``; ``optimizer.step()`` refuses
+  fp16 gradients from a backward whose loss was not scaled.
+
+The engine notices a plain backward from its gradient hooks (a backward it did not start) and
+queues a callback that autograd runs when that backward ends. ``optimizer.step`` and
+``zero_grad`` of the returned optimizer are the engine's, bound to that optimizer object alone
+(nothing of torch is patched): a learning-rate scheduler built on it works as usual.
+"""
+from __future__ import annotations
+
+import types
+import weakref
+from typing import TYPE_CHECKING, Callable, Optional
+
+import torch
+from torch.autograd import Variable
+
+if TYPE_CHECKING:
+    from .engine import ZeroEngine
+
+
+class PlainLoop:
+    """One engine's support for the plain loop (see module docstring)."""
+
+    def __init__(self, engine: "ZeroEngine") -> None:
+        self._engine = weakref.ref(engine)
+        self.active = False             # a plain backward is running
+        self.local_grads = False        # stages 0-1: gradients accumulated, not yet reduced
+        self.backward_seen = False      # a plain backward ran since the last update
+        self.scaled = False             # engine.scale(loss) was called since the last update
+        opt = engine.optimizer
+        ref = self._engine
+
+        def step(optimizer, closure: Optional[Callable] = None):
+            live = ref()
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            if live is not None:
+                live._plain.update()
+            return loss
+
+        def zero_grad(optimizer, set_to_none: bool = True) -> None:
+            live = ref()
+            if live is not None:
+                live.zero_grad(set_to_none)
+
+        # bound methods of this optimizer object, so torch's LRScheduler can wrap them as usual
+        opt.step = types.MethodType(step, opt)
+        opt.zero_grad = types.MethodType(zero_grad, opt)
+
+    def begin(self) -> None:
+        """A backward the engine did not start has produced its first gradient."""
+        engine = self._engine()
+        self.active = True
+        self.backward_seen = True
+        engine._reset_backward_state()
+        engine._reducing = engine.policy.reduce_every_micro_batch and not engine._in_no_sync
+        Variable._execution_engine.queue_callback(self.end)
+
+    def end(self) -> None:
+        """Autograd finished that backward: finish its reductions, release stage-3 units."""
+        engine = self._engine()
+        if engine is None:
+            return
+        try:
+            if engine._reducing:
+                engine._finish_reduction()
+            else:
+                self.local_grads = True
+            for unit in engine.units:
+                unit.release()
+                unit.pending_backward = 0
+        finally:
+            engine._reducing = False
+            self.active = False
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the fp16 loss scale, in fp32 (unchanged without fp16)."""
+        engine = self._engine()
+        self.scaled = True
+        if engine.loss_scaler is None:
+            return loss
+        return loss.float() * engine.loss_scaler.scale
+
+    def update(self) -> None:
+        """``optimizer.step()``: reduce what is still local, then the engine's update."""
+        engine = self._engine()
+        if engine.loss_scaler is not None and self.backward_seen and not self.scaled:
+            raise RuntimeError(
+                "fp16 training in a plain loop: the loss was not scaled, so small gradients flush to "
+                "zero and overflows go unseen. Call engine.scale(loss).backward() instead of "
+                "loss.backward() (or use engine.backward(loss) and engine.step())")
+        if self.local_grads:
+            engine._reset_backward_state()
+            engine._reducing = True
+            try:
+                engine._finish_reduction()
+            finally:
+                engine._reducing = False
+        self.local_grads = self.backward_seen = self.scaled = False
+        engine._update(count_micro_step=False)

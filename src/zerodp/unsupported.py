@@ -1,0 +1,73 @@
+"""DeepSpeed names zerodp does not implement, and the error that says so.
+
+A script ported by ``import zerodp as deepspeed`` that reaches for one of these gets
+:class:`NotImplementedInZerodp` naming the feature, whether it reads an attribute
+(``deepspeed.init_inference``: the package's ``__getattr__``) or imports a module
+(``from deepspeed.moe.layer import MoE``: :class:`UnsupportedFinder`). The error is an
+``AttributeError`` (so ``hasattr`` probes answer False), an ``ImportError`` for imports, and a
+``NotImplementedError`` either way.
+"""
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+
+#: DeepSpeed name -> what it is.
+NOT_IMPLEMENTED: dict[str, str] = {
+    "moe": "Mixture-of-Experts layers (deepspeed.moe)",
+    "pipe": "pipeline parallelism (deepspeed.pipe)",
+    "PipelineModule": "pipeline parallelism (deepspeed.pipe.PipelineModule)",
+    "PipelineEngine": "pipeline parallelism (the pipeline engine)",
+    "init_inference": "the inference engine (deepspeed.init_inference)",
+    "InferenceEngine": "the inference engine",
+    "inference": "the inference engine (deepspeed.inference)",
+    "module_inject": "kernel injection (deepspeed.module_inject)",
+    "sequence": "Ulysses sequence parallelism (deepspeed.sequence)",
+    "compression": "model compression (deepspeed.compression)",
+    "autotuning": "the autotuner (deepspeed.autotuning)",
+    "profiling": "the FLOPs profiler (deepspeed.profiling)",
+    "elasticity": "elastic batch sizes (deepspeed.elasticity)",
+    "tp_model_init": "automatic tensor parallelism (deepspeed.tp_model_init)",
+    "linear": "LoRA-optimized linear layers (deepspeed.linear)",
+    "OnebitAdam": "1-bit Adam", "OnebitLamb": "1-bit LAMB", "ZeroOneAdam": "0/1 Adam",
+}
+
+_WHY = ("zerodp is a ZeRO data-parallel engine and implements DeepSpeed's everyday training API "
+        "(initialize, the engine, checkpoints, zero.Init, comm, accelerator; see the README's table "
+        "of DeepSpeed names)")
+
+
+class NotImplementedInZerodp(AttributeError, NotImplementedError):
+    """A DeepSpeed feature zerodp does not implement."""
+
+
+class _ImportNotImplemented(ImportError, NotImplementedError):
+    """The same, raised by an import."""
+
+
+def error(name: str) -> NotImplementedInZerodp:
+    return NotImplementedInZerodp(f"zerodp does not implement {NOT_IMPLEMENTED[name]}: {_WHY}")
+
+
+class UnsupportedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Makes ``import zerodp.moe`` (and the other submodules in :data:`NOT_IMPLEMENTED`) fail
+    with a message naming the feature instead of "No module named"."""
+
+    def find_spec(self, fullname, path, target=None):
+        parts = fullname.split(".")
+        if len(parts) >= 2 and parts[0] == "zerodp" and parts[1] in NOT_IMPLEMENTED:
+            return importlib.machinery.ModuleSpec(fullname, self)
+        return None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        name = module.__name__.split(".")[1]
+        raise _ImportNotImplemented(f"zerodp does not implement {NOT_IMPLEMENTED[name]}: {_WHY}")
+
+
+def install() -> None:
+    if not any(isinstance(f, UnsupportedFinder) for f in sys.meta_path):
+        sys.meta_path.append(UnsupportedFinder())

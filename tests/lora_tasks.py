@@ -1,0 +1,81 @@
+"""Worker tasks for ``test_lora.py``: a ``peft`` LoRA adapter on a tiny ``transformers`` GPT-2,
+trained through zerodp, and its single-process PEFT reference.
+
+The base model (``hf_tasks.build_model("gpt2")``) is frozen; LoRA adapters (rank 4) on the
+attention and MLP projections are the only trainable parameters. ``peft`` and ``transformers``
+are imported inside the functions.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import zerodp
+import hf_tasks
+
+ADAMW = {"lr": 0.01, "betas": (0.9, 0.99), "eps": 1e-6, "weight_decay": 0.0}
+STEPS, GAS = 3, 2
+
+
+def build_lora(seed: int = 0):
+    from peft import LoraConfig, get_peft_model
+    base = hf_tasks.build_model("gpt2", seed=seed)
+    torch.manual_seed(seed + 1)
+    cfg = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["c_attn", "c_fc"],
+                     fan_in_fan_out=True)
+    return get_peft_model(base, cfg)
+
+
+def loss_of(model, step: int, rank: int, micro: int):
+    ids = hf_tasks.batch(step, rank, micro)
+    return model(input_ids=ids, labels=ids).loss
+
+
+def reference(world: int) -> dict:
+    """One process: PEFT model, torch AdamW over the adapters, the whole global batch."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = build_lora()
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, **ADAMW)
+        for step in range(STEPS):
+            opt.zero_grad(set_to_none=True)
+            losses = [loss_of(model, step, r, m) for r in range(world) for m in range(GAS)]
+            (sum(losses) / len(losses)).backward()
+            opt.step()
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def lora_train(group, stage: int, save_dir: str | None = None, precision: str = "fp32") -> dict:
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    model = build_lora()
+    cfg = {"train_micro_batch_size_per_gpu": hf_tasks.MICRO, "gradient_accumulation_steps": GAS,
+           "steps_per_print": 10**9, "optimizer": {"type": "AdamW", "params": dict(ADAMW, betas=list(ADAMW["betas"]))},
+           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 1}}
+    if precision != "fp32":
+        cfg[precision] = {"enabled": True}
+    engine, *_ = zerodp.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                   config=cfg, process_group=group)
+    for step in range(STEPS):
+        for m in range(GAS):
+            engine.backward(loss_of(engine, step, rank, m))
+            engine.step()
+    memory = engine.memory_breakdown()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    from zerodp.memory_check import compare_with_engine
+    compared = [(c.category, c.estimated, c.measured, c.ok) for c in compare_with_engine(engine)]
+    with zerodp.GatheredParameters(list(model.parameters())):
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    if save_dir is not None:
+        with zerodp.GatheredParameters(trainable):  # the adapter, full, for PEFT's own format
+            if rank == 0:
+                model.save_pretrained(save_dir)
+        dist.barrier(group)
+    out = {"params": params, "memory": memory, "compared": compared,
+           "frozen_grads": [n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None],
+           "n_trainable": sum(p.numel() for p in trainable), "n_all": sum(p.numel() for p in model.parameters())}
+    engine.destroy()
+    return out

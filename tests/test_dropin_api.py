@@ -1,0 +1,236 @@
+"""DeepSpeed's everyday names, as a ported script (``import zerodp as deepspeed``) reaches them:
+module-level functions, ``zerodp.accelerator``, ``zerodp.comm``, ``zerodp.zero``,
+``zerodp.utils``, ``zerodp.checkpointing``, ``zerodp.ops.adam``, the engine's queries, and the
+names zerodp refuses."""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import zerodp
+import dropin_tasks as dt
+
+SRC = str(Path(__file__).resolve().parent.parent / "src")
+
+
+# -- module-level names ------------------------------------------------------------------------
+
+def test_add_config_arguments_and_initialize_args(tmp_path):
+    """The getting-started command line: --deepspeed --deepspeed_config PATH (and zerodp's own
+    spelling); initialize(args=...) reads the config from it."""
+    parser = zerodp.add_config_arguments(argparse.ArgumentParser())
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"train_batch_size": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.5}}}))
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", str(cfg)])
+    assert args.deepspeed and args.deepspeed_config == str(cfg)
+    assert parser.parse_args(["--zerodp_config", "x.json"]).zerodp_config == "x.json"
+    assert parser.parse_args(["--deepscale_config", "y.json"]).deepscale_config == "y.json"
+    model = nn.Linear(3, 2)
+    engine, opt, loader, _ = zerodp.initialize(args=args, model=model, model_parameters=model.parameters())
+    try:
+        assert engine.train_batch_size() == 4 and opt.param_groups[0]["lr"] == 0.5 and loader is None
+        assert isinstance(engine, zerodp.DeepSpeedEngine)
+    finally:
+        engine.destroy()
+
+
+def test_accelerator_on_cpu():
+    acc = zerodp.accelerator.get_accelerator()
+    assert acc is zerodp.accelerator.get_accelerator()
+    assert acc.device_name() == "cpu" and acc.device_name(0) == "cpu" and acc.current_device_name() == "cpu"
+    assert acc.current_device() == 0 and acc.device_count() >= 1
+    assert acc.is_available() and acc.communication_backend_name() == "gloo"
+    assert acc.is_bf16_supported() and acc.is_fp16_supported() in (True, False)
+    acc.set_device(0)
+    acc.synchronize()
+    acc.empty_cache()
+    acc.manual_seed(123)
+    a = torch.rand(3)
+    acc.manual_seed(123)
+    assert torch.equal(a, torch.rand(3))
+    assert torch.device(acc.device_name()) == torch.device("cpu")
+
+
+def test_comm_collectives_on_two_ranks(pool):
+    out = pool.run(dt.comm_calls, 2)
+    for rank, r in enumerate(out):
+        assert (r["rank"], r["world"], r["initialized"], r["backend"]) == (rank, 2, True, "gloo")
+        assert r["all_reduce"] == 3.0 and r["broadcast"] == 10.0 and r["all_gather"] == [0.0, 1.0]
+
+
+@pytest.mark.parametrize("stage,precision", [(0, "fp32"), (1, "bf16"), (2, "fp16"), (3, "bf16")])
+def test_engine_queries(pool, stage, precision):
+    out = pool.run(dt.engine_queries, 2, stage, precision)
+    for rank, r in enumerate(out):
+        assert (r["fp16"], r["bf16"]) == (precision == "fp16", precision == "bf16")
+        assert (r["stage"], r["world_size"], r["global_rank"], r["device"]) == (stage, 2, rank, "cpu")
+        assert r["module_is_model"] and r["optimizer_is"] and r["scheduler_is"]
+        assert (r["gas"], r["micro"], r["train_batch_size"]) == (3, 2, 12)
+        assert r["norm_before"] is None and r["norm"] > 0
+        assert r["eval_mode"] == (True, True) and r["train_mode"] == (True, True)
+        # 6 micro-steps at accumulation 3: updates at the 3rd and 6th
+        assert r["applied"] == [False, False, True, False, False, True] or precision == "fp16"
+        assert r["global_steps"] == 2 and r["global_samples"] == 24
+        assert 0 < r["lr"][0] < 0.01  # WarmupLR moved it
+
+
+def test_comm_init_distributed_alone_and_log_summary():
+    """A script run without a launcher: init_distributed makes a group of one; log_summary
+    prints the engine's traffic."""
+    code = ("import zerodp as deepspeed, torch\n"
+            "deepspeed.init_distributed()\n"
+            "import zerodp.comm as dist\n"
+            "assert dist.is_initialized() and dist.get_world_size() == 1 and dist.get_rank() == 0\n"
+            "m = torch.nn.Linear(4, 2)\n"
+            "e, *_ = deepspeed.initialize(model=m, model_parameters=m.parameters(), config={'train_batch_size': 2,"
+            " 'optimizer': {'type': 'SGD', 'params': {'lr': 0.1}}, 'zero_optimization': {'stage': 1}})\n"
+            "e.backward(e(torch.ones(2, 4)).sum()); e.step()\n"
+            "dist.log_summary()\n"
+            "import sys; print('deepspeed' in sys.modules)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr
+    assert "ZeRO stage 1" in r.stdout
+    assert r.stdout.strip().splitlines()[-1] == "False"  # zerodp never imports or provides `deepspeed`
+
+
+def test_no_deepspeed_module_is_shadowed():
+    import importlib.util
+    root = Path(SRC)
+    assert not (root / "deepspeed").exists() and not (root / "deepspeed.py").exists()
+    spec = importlib.util.find_spec("deepspeed")
+    assert spec is None or "zerodp" not in (spec.origin or "")
+
+
+# -- names zerodp refuses ----------------------------------------------------------------------
+
+def test_unsupported_names_say_so():
+    import importlib
+    with pytest.raises(NotImplementedError, match="Mixture-of-Experts"):
+        importlib.import_module("zerodp.moe.layer")
+    with pytest.raises(ImportError, match="pipeline parallelism"):
+        exec("from zerodp.pipe import PipelineModule", {})
+    with pytest.raises(NotImplementedError, match="inference engine"):
+        zerodp.init_inference
+    with pytest.raises(AttributeError):
+        zerodp.init_inference
+    assert not hasattr(zerodp, "PipelineEngine")
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+        zerodp.no_such_name
+    m = nn.Linear(2, 2)
+    with pytest.raises(NotImplementedError, match="model parallelism"):
+        zerodp.initialize(model=m, config={"train_batch_size": 1}, mpu=object())
+
+
+# -- zero.Init, GatheredParameters, leaf modules -----------------------------------------------
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("mask", torch.ones(4))
+
+
+def test_zero_init_builds_without_storage():
+    with zerodp.zero.Init(config_dict_or_path={"zero_optimization": {"stage": 3}}, remote_device="cpu"):
+        m = nn.Sequential(Block(), Block())
+    assert all(p.is_meta for p in m.parameters())
+    assert all(not b.is_meta and b.sum().item() == 4 for b in m.buffers())  # buffers keep values
+    with zerodp.zero.Init(enabled=False):
+        real = Block()
+    assert not any(p.is_meta for p in real.parameters())
+    # outside the context, construction is normal again
+    assert not any(p.is_meta for p in Block().parameters())
+    # a value put in place of a parameter without data (from_pretrained's loading) is kept
+    with zerodp.zero.Init():
+        b = Block()
+        b.fc.weight = nn.Parameter(torch.full((4, 4), 2.0))
+    assert not b.fc.weight.is_meta and b.fc.weight.sum().item() == 32 and b.fc.bias.is_meta
+    assert zerodp.zero.GatheredParameters is zerodp.GatheredParameters
+    assert callable(zerodp.zero.register_external_parameter)
+
+
+def test_set_z3_leaf_modules():
+    from zerodp.utils import get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module
+    m = nn.Sequential(Block(), nn.Linear(4, 4), Block())
+    marked = set_z3_leaf_modules(m, [Block])
+    assert len(marked) == 2 and all(z3_leaf_module(b) for b in marked)
+    assert get_z3_leaf_modules(m) == marked
+    unset_z3_leaf_modules(m, ["Block"])
+    assert get_z3_leaf_modules(m) == []
+    with pytest.raises(ValueError, match="no module"):
+        set_z3_leaf_modules(m, [nn.Conv2d])
+
+
+# -- checkpointing, ops.adam -------------------------------------------------------------------
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    from zerodp import checkpointing
+    checkpointing.configure(None, partition_activations=False)
+    assert checkpointing.is_configured()
+    torch.manual_seed(0)
+    f = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 1))
+    x = torch.randn(3, 6)
+    f(x).sum().backward()
+    want = [p.grad.clone() for p in f.parameters()]
+    f.zero_grad()
+    checkpointing.checkpoint(f, x).sum().backward()
+    assert all(torch.equal(p.grad, w) for p, w in zip(f.parameters(), want))
+
+
+@pytest.mark.parametrize("name", ["FusedAdam", "DeepSpeedCPUAdam"])
+def test_ops_adam_equals_torch_adamw(name):
+    from zerodp.ops import adam
+    torch.manual_seed(0)
+    p1 = nn.Parameter(torch.randn(50))
+    p2 = nn.Parameter(p1.detach().clone())
+    opt = getattr(adam, name)([p1], lr=0.01, weight_decay=0.1, betas=(0.8, 0.99))
+    ref = torch.optim.AdamW([p2], lr=0.01, weight_decay=0.1, betas=(0.8, 0.99))
+    for step in range(5):
+        g = torch.randn(50, generator=torch.Generator().manual_seed(step))
+        p1.grad, p2.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+    assert torch.allclose(p1, p2, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="bias_correction"):
+        getattr(adam, name)([p1], bias_correction=False)
+
+
+def test_ops_adam_as_client_optimizer():
+    """FusedAdam built on the model, handed to initialize (the way DeepSpeed scripts do)."""
+    from zerodp.ops.adam import FusedAdam
+    m = nn.Linear(3, 2)
+    opt = FusedAdam(m.parameters(), lr=0.1)
+    engine, got, _, _ = zerodp.initialize(model=m, optimizer=opt, config={"train_batch_size": 1,
+                                                                      "zero_optimization": {"stage": 2}})
+    try:
+        before = m.weight.detach().clone()
+        engine.backward(engine(torch.ones(1, 3)).sum())
+        engine.step()
+        assert got is opt and not torch.equal(before, m.weight)
+    finally:
+        engine.destroy()
+
+
+# -- small things a new user meets -------------------------------------------------------------
+
+def test_bad_optimizer_value_names_the_config_key():
+    m = nn.Linear(3, 2)
+    with pytest.raises(zerodp.ConfigError, match=r"optimizer\.params\.lr"):
+        zerodp.initialize(model=m, config={"train_batch_size": 1, "optimizer": {"type": "AdamW", "params": {"lr": -1}}})
+
+
+def test_numpy_is_a_dependency():
+    import tomllib
+    deps = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert any(d.split(">")[0].split("=")[0].strip() == "numpy" for d in deps)
+    r = subprocess.run([sys.executable, "-c", "import zerodp, torch; torch.zeros(2).numpy()"],
+                       capture_output=True, text=True, timeout=120, env={"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0 and "Failed to initialize NumPy" not in r.stderr, r.stderr

@@ -1,0 +1,69 @@
+"""LoRA fine-tuning with ``peft`` at stages 2 and 3: parity with single-process PEFT, frozen base
+weights without gradients or optimizer state (sharded at stage 3), and the adapter saved in
+PEFT's own format."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lora_tasks as lt
+
+pytest.importorskip("peft", reason="LoRA tests need peft (in the test extra)")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_lora_trains_like_peft_alone(pool, tmp_path, stage):
+    world = 2
+    out = pool.run(lt.lora_train, world, stage, str(tmp_path / "adapter"))
+    ref = lt.reference(world)
+    r = out[0]
+    for name, want in ref.items():
+        err = (r["params"][name] - want).abs().max().item()
+        assert err <= 2e-6, f"{name}: max |diff| {err:.3g}"
+    moved = max((ref[n] - lt.build_lora().state_dict()[n]).abs().max().item()
+                for n in ref if "lora_" in n)
+    assert moved > 1e-3  # the adapters trained
+    # frozen base weights: no gradients; optimizer state for the adapters only
+    n_t, n_all = r["n_trainable"], r["n_all"]
+    assert r["frozen_grads"] == []
+    mem = r["memory"]
+    assert n_t < n_all / 10
+    assert mem["optimizer_states"] <= 8 * n_t / world + 4096  # Adam m, v for this rank's adapter shard
+    assert mem["gradients"] <= 4 * n_t / world + 2048
+    if stage == 3:  # the frozen base is sharded too
+        assert mem["parameters"] <= 4 * n_all / world + 8192
+    else:
+        assert mem["parameters"] >= 4 * n_all
+    compared = r["compared"]
+    assert any(c == "optimizer_states" and est is not None for c, est, _, _ in compared)
+    for category, estimated, measured, ok in compared:  # the estimator agrees with the ledger
+        assert ok, (category, estimated, measured)
+
+
+def test_lora_bf16_stage3_memory(pool):
+    """bf16 at stage 3: the frozen base is held as 16-bit shards (2 bytes x params / N), and fp32
+    masters, gradients and Adam states exist for this rank's share of the adapters only; the
+    estimator agrees with the ledger."""
+    world = 2
+    r = pool.run(lt.lora_train, world, 3, None, "bf16")[0]
+    n_t, n_all, mem = r["n_trainable"], r["n_all"], r["memory"]
+    assert r["frozen_grads"] == []
+    assert mem["parameters"] <= 2 * n_all / world + 8192
+    assert mem["master_weights"] <= 4 * n_t / world + 2048
+    assert mem["optimizer_states"] <= 8 * n_t / world + 4096
+    assert mem["gradients"] <= 4 * n_t / world + 2048
+    for category, estimated, measured, ok in r["compared"]:
+        assert ok, (category, estimated, measured)
+
+
+def test_adapter_saved_in_peft_format(pool, tmp_path):
+    from peft import PeftModel
+    import hf_tasks
+    trained = pool.run(lt.lora_train, 2, 3, str(tmp_path / "adapter"))[0]["params"]
+    assert (tmp_path / "adapter" / "adapter_config.json").is_file()
+    loaded = PeftModel.from_pretrained(hf_tasks.build_model("gpt2"), str(tmp_path / "adapter"))
+    got = dict(loaded.named_parameters())
+    lora = [n for n in trained if "lora_" in n]
+    assert lora
+    for name in lora:
+        assert torch.equal(got[name].detach(), trained[name]), name
