@@ -13,7 +13,6 @@ into the compute-dtype parameters after every step. With ``communication_data_ty
 """
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.distributed as dist
@@ -23,7 +22,7 @@ from torch import nn
 import zerodp
 from zerodp.optim.schedules import WarmupLR
 from parity_model import ADAMW, MICRO, ParityNet, batch, build_model, gathered_params, param_groups, use_branch
-from precision_tasks import DTYPES, gathered_masters
+from precision_tasks import DTYPES, gathered_masters, master_update
 
 GLOBAL_MICROS = 12
 CLIP = 0.5
@@ -148,20 +147,7 @@ def _reference(dtype: str, phases: list[tuple[int, int]]) -> dict:
                     if p.grad is not None:
                         g = p.grad.float()
                         total[id(p)] = g if id(p) not in total else total[id(p)] + g
-            for t in total.values():
-                t.mul_(1.0 / world)
-            norm = math.sqrt(sum(torch.linalg.vector_norm(t).double().item() ** 2 for t in total.values()))
-            norms.append(norm)
-            if CLIP / (norm + 1e-6) < 1:
-                for t in total.values():
-                    t.mul_(CLIP / (norm + 1e-6))
-            for p in params:
-                masters[id(p)].grad = total.get(id(p))
-            opt.step()
-            sched.step()
-            with torch.no_grad():
-                for p in params:
-                    p.copy_(masters[id(p)])
+            norms.append(master_update(params, masters, total, world, CLIP, opt, sched))
             step += 1
     return {"masters": {names[k]: v.detach().clone() for k, v in masters.items()}, "norms": norms,
             "params": {n: p.detach().clone() for n, p in model.named_parameters()}}

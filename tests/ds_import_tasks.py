@@ -7,7 +7,6 @@ is ``parity_model.batch(s, r, m)`` for ``r < 2, m < gas``. zerodp continues at w
 """
 from __future__ import annotations
 
-import math
 import warnings
 
 import torch
@@ -17,7 +16,7 @@ import zerodp
 from zerodp.optim.schedules import WarmupLR
 import parity_model as pm
 from ds_checkpoint_writer import build_model, ds_config
-from precision_tasks import DTYPES, gathered_masters
+from precision_tasks import DTYPES, gathered_masters, master_update
 from parity_model import gathered_params
 
 DS_WORLD = 2
@@ -138,20 +137,7 @@ def _reference(dtype, gas_ds, phases, start):
                         if p.grad is not None:
                             g = p.grad.float()
                             total[id(p)] = g.clone() if id(p) not in total else total[id(p)] + g
-            for t in total.values():
-                t.mul_(1.0 / world)
-            norm = math.sqrt(sum(torch.linalg.vector_norm(t).double().item() ** 2 for t in total.values()))
-            norms.append(norm)
-            if clip / (norm + 1e-6) < 1:
-                for t in total.values():
-                    t.mul_(clip / (norm + 1e-6))
-            for p in params:
-                masters[id(p)].grad = total.get(id(p))
-            opt.step()
-            sched.step()
-            with torch.no_grad():
-                for p in params:
-                    p.copy_(masters[id(p)])
+            norms.append(master_update(params, masters, total, world, clip, opt, sched))
             step += 1
     return {"masters": {names[k]: v.detach().clone() for k, v in masters.items()}, "norms": norms,
             "lr": [g["lr"] for g in opt.param_groups]}

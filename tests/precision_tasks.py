@@ -104,22 +104,31 @@ def reference_mixed(world: int, steps: int, dtype: str, gas: int = 1, clip: floa
                         red += g(r, m)
                     acc = red if acc is None else acc + red
                 total[id(p)] = acc.float()
-        for t in total.values():
-            t.mul_(1.0 / (world * loss_scale))
-        norm = math.sqrt(sum(torch.linalg.vector_norm(t, dtype=torch.float32).double().item() ** 2
-                             for t in total.values()))
-        norms.append(norm)
-        if clip > 0 and clip / (norm + 1e-6) < 1:
-            for t in total.values():
-                t.mul_(clip / (norm + 1e-6))
-        for p in params:
-            masters[id(p)].grad = total.get(id(p))
-        opt.step()
-        with torch.no_grad():
-            for p in params:
-                p.copy_(masters[id(p)])
+        norms.append(master_update(params, masters, total, world * loss_scale, clip, opt))
     return ({names[k]: v.detach().clone() for k, v in masters.items()}, norms,
             {n: p.detach().clone() for n, p in model.named_parameters()})
+
+
+def master_update(params, masters: dict, total: dict, divisor: float, clip: float, opt, sched=None) -> float:
+    """A reference's update from summed fp32 gradients ``total`` (by ``id`` of the parameter):
+    divide by ``divisor``, clip to the global norm (``clip / (norm + 1e-6)`` when below 1), step
+    the fp32 ``masters`` (and ``sched``), copy them into ``params``; returns the norm."""
+    for t in total.values():
+        t.mul_(1.0 / divisor)
+    norm = math.sqrt(sum(torch.linalg.vector_norm(t, dtype=torch.float32).double().item() ** 2
+                         for t in total.values()))
+    if clip > 0 and clip / (norm + 1e-6) < 1:
+        for t in total.values():
+            t.mul_(clip / (norm + 1e-6))
+    for p in params:
+        masters[id(p)].grad = total.get(id(p))
+    opt.step()
+    if sched is not None:
+        sched.step()
+    with torch.no_grad():
+        for p in params:
+            p.copy_(masters[id(p)])
+    return norm
 
 
 def gathered_masters(engine) -> dict[str, torch.Tensor]:
