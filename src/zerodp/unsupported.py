@@ -3,9 +3,11 @@
 A script ported by ``import zerodp as deepspeed`` that reaches for one of these gets
 :class:`NotImplementedInZerodp` naming the feature, whether it reads an attribute
 (``deepspeed.init_inference``: the package's ``__getattr__``) or imports a module
-(``from deepspeed.moe.layer import MoE``: :class:`UnsupportedFinder`). The error is an
-``AttributeError`` (so ``hasattr`` probes answer False), an ``ImportError`` for imports, and a
-``NotImplementedError`` either way.
+(``from deepspeed.moe.layer import MoE``: :class:`UnsupportedFinder`). Such imports succeed,
+because real scripts import these modules whether or not they use them (DeepSpeed's CIFAR
+example imports ``deepspeed.moe.utils`` at the top); what they import is a placeholder that
+raises when called or instantiated. The error is an ``AttributeError`` for attributes of the
+package (so ``hasattr`` probes answer False) and a ``NotImplementedError`` either way.
 """
 from __future__ import annotations
 
@@ -42,8 +44,21 @@ class NotImplementedInZerodp(AttributeError, NotImplementedError):
     """A DeepSpeed feature zerodp does not implement."""
 
 
-class _ImportNotImplemented(ImportError, NotImplementedError):
-    """The same, raised by an import."""
+class _Refused:
+    """What ``from zerodp.moe.X import Y`` gives: anything reached from it is another
+    placeholder, and calling it raises :class:`NotImplementedInZerodp` naming the feature."""
+
+    def __init__(self, feature: str, path: str) -> None:
+        self._feature, self._path = feature, path
+
+    def __getattr__(self, name: str) -> "_Refused":
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Refused(self._feature, f"{self._path}.{name}")
+
+    def __call__(self, *args, **kwargs):
+        raise NotImplementedInZerodp(f"{self._path}: zerodp does not implement {NOT_IMPLEMENTED[self._feature]}: "
+                                     f"{_WHY}")
 
 
 def error(name: str) -> NotImplementedInZerodp:
@@ -51,21 +66,21 @@ def error(name: str) -> NotImplementedInZerodp:
 
 
 class UnsupportedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Makes ``import zerodp.moe`` (and the other submodules in :data:`NOT_IMPLEMENTED`) fail
-    with a message naming the feature instead of "No module named"."""
+    """Makes ``import zerodp.moe.utils`` (and the other submodules in :data:`NOT_IMPLEMENTED`)
+    succeed with modules of placeholders (:class:`_Refused`) instead of "No module named"."""
 
     def find_spec(self, fullname, path, target=None):
         parts = fullname.split(".")
         if len(parts) >= 2 and parts[0] == "zerodp" and parts[1] in NOT_IMPLEMENTED:
-            return importlib.machinery.ModuleSpec(fullname, self)
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
         return None
 
     def create_module(self, spec):
         return None
 
     def exec_module(self, module):
-        name = module.__name__.split(".")[1]
-        raise _ImportNotImplemented(f"zerodp does not implement {NOT_IMPLEMENTED[name]}: {_WHY}")
+        feature = module.__name__.split(".")[1]
+        module.__getattr__ = lambda name: _Refused(feature, f"{module.__name__}.{name}")
 
 
 def install() -> None:
