@@ -40,6 +40,7 @@ def config(stage: int, world: int, dtype: str = "fp32", **extra) -> dict:
         cfg[dtype] = {"enabled": True}
         cfg["communication_data_type"] = "fp32"
         cfg["data_types"] = {"grad_accum_dtype": "fp32"}
+    cfg["zero_optimization"].update(extra.pop("zero", {}))
     cfg.update(extra)
     return cfg
 

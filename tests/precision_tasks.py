@@ -136,7 +136,8 @@ def gathered_masters(engine) -> dict[str, torch.Tensor]:
     out = {}
     group = engine.comm.group
     for g in engine.trainable:
-        master = g.master if g.master is not None else g.shard.float()
+        with g.swapped_in():  # disk offload: read from its file
+            master = g.master.clone() if g.master is not None else g.shard.float()
         if g.partitions > 1:
             parts = [torch.empty_like(master) for _ in range(g.partitions)]
             dist.all_gather(parts, master.contiguous(), group=group)

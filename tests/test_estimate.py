@@ -57,16 +57,16 @@ def test_fp32_accounting_and_other_optimizers():
 
 def test_offload_rows():
     """Optimizer offload keeps 16-bit params and grads (or shards) on the device; each rank's
-    CPU holds fp32 master 4 + fp32 grads 4 + Adam 8 bytes for its optimizer partition;
-    parameter offload moves the 2-byte parameter shard too."""
+    CPU holds fp32 master 4 + Adam 8 bytes for its optimizer partition (gradients pass through
+    tile-sized buffers); parameter offload moves the 2-byte parameter shard too."""
     est = zerodp.estimate("8B", ranks_per_node=8, precision="bf16")
     row = est.row(2, "optimizer")
     assert (row.parameters, row.gradients, row.master_weights, row.optimizer_states) == \
         (16 * GB, 2 * GB, 0, 0)
-    assert row.cpu == 16 * GB and row.cpu_per_node == 128 * GB
+    assert row.cpu == 12 * GB and row.cpu_per_node == 96 * GB
     row = est.row(3, "optimizer+params")
     assert (row.parameters, row.gradients) == (0, 2 * GB)
-    assert row.cpu == 18 * GB
+    assert row.cpu == 14 * GB
 
 
 def test_json_is_the_same_estimate(capsys):
@@ -197,22 +197,22 @@ def test_only_stage_3_fits():
 
 def test_nothing_fits_without_offload():
     """8B on 8 ranks with 16 GB: stage 3 needs 16 + 3 + 2 = 21 GB; stage 2 + optimizer offload
-    16 + 2 + 3 = 21 GB; stage 3 + optimizer offload 2 + 2 + 3 + 2 = 9 GB, with 16 GB of CPU
-    state per rank, 128 GB per node."""
+    16 + 2 + 3 = 21 GB; stage 3 + optimizer offload 2 + 2 + 3 + 2 = 9 GB, with 12 GB of CPU
+    state per rank, 96 GB per node."""
     est = zerodp.estimate("8B", ranks_per_node=8, device_memory="16GB", cpu_memory="256GB")
     assert not any(est.row(s).fits for s in range(4))
     assert est.row(3).device_total == 21 * GB and est.row(2, "optimizer").device_total == 21 * GB
     assert est.row(3, "optimizer").device_total == 9 * GB
     assert (est.recommendation.stage, est.recommendation.offload) == (3, "optimizer")
-    assert "no stage fits on the device alone" in est.reason and "128.0 GB CPU" in est.reason
+    assert "no stage fits on the device alone" in est.reason and "96.0 GB CPU" in est.reason
 
 
 def test_nothing_fits_because_of_cpu_memory():
-    """As above with 64 GB of CPU per node: 3 + optimizer offload needs 128 GB, 3 + parameter
-    offload 128 + 8 x 2 = 144 GB."""
+    """As above with 64 GB of CPU per node: 3 + optimizer offload needs 96 GB, 3 + parameter
+    offload 96 + 8 x 2 = 112 GB."""
     est = zerodp.estimate("8B", ranks_per_node=8, device_memory="16GB", cpu_memory="64GB")
     assert est.recommendation is None
-    assert est.row(3, "optimizer+params").cpu_per_node == 144 * GB
+    assert est.row(3, "optimizer+params").cpu_per_node == 112 * GB
     assert est.reason.startswith("nothing fits") and "CPU" in est.reason
 
 

@@ -5,6 +5,7 @@ collective backend goes with it, so CPU + gloo and CUDA + NCCL share all code.
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 
@@ -47,7 +48,7 @@ def init_distributed(backend: str | None = None) -> bool:
     # Imported before the group exists: imported after (as the optimizers do), it keeps gloo's
     # threads alive past destroy_process_group, and one that ends during interpreter
     # shutdown aborts the process ("terminate called without an active exception").
-    import torch._dynamo  # noqa: F401
+    importlib.import_module("torch._dynamo")  # not "import torch._dynamo", which makes torch local here
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and \
             int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         logger.warning("restarted by torchrun, which kept its store from the failed attempt: if the "
@@ -61,6 +62,28 @@ def synchronize(device: torch.device) -> None:
     """Wait for queued device work (a no-op on CPU); used around timings."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def host_empty(numel: int, dtype: torch.dtype, device: torch.device, pin: bool) -> torch.Tensor:
+    """A host tensor for moving data to and from ``device``: page-locked when ``pin`` and the
+    device is a GPU (so copies run asynchronously), ordinary memory otherwise."""
+    return torch.empty(numel, dtype=dtype, pin_memory=pin and device.type == "cuda")
+
+
+class CopiesDone:
+    """Marks the copies queued on ``device`` so far; ``wait()`` returns once they are done
+    (at once on the CPU, where copies are synchronous)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._event = None
+        if device.type == "cuda":
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
 
 
 class Accelerator:

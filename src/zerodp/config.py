@@ -57,7 +57,6 @@ def _only(value: Any, why: str) -> AfterValidator:
     return AfterValidator(check)
 
 
-_NO_OFFLOAD = "offload is not available in this version of zerodp, and ignoring it would change memory behaviour"
 _NO_AMP = ("Apex AMP is not supported; use \"bf16\": {\"enabled\": true} or \"fp16\": {\"enabled\": true}, "
            "and ignoring it would change the numbers")
 _NO_GRAD_OP = "not implemented in zerodp, and ignoring it would change the gradients"
@@ -75,12 +74,80 @@ class _Section(BaseModel):
     warn_unknown_keys: ClassVar[bool] = True
 
 
-class OffloadConfig(_Section):
-    """``offload_optimizer`` / ``offload_param`` block; only ``device: "none"`` is supported."""
+_OFFLOAD_DEVICE = Literal["none", "cpu", "nvme"]
 
-    warn_unknown_keys: ClassVar[bool] = False
-    device: Annotated[str, _only("none", _NO_OFFLOAD)] = Field(
-        "none", description='Offload target; only "none" is supported.')
+
+class _OffloadBase(_Section):
+    device: _OFFLOAD_DEVICE = Field(
+        "none", description='Where the offloaded tensors live: "none", "cpu" (host memory) or "nvme" '
+                            '(files under nvme_path).')
+    nvme_path: str | None = Field(
+        None, description='device "nvme": the directory (on a fast local disk) for the swap files; '
+                          "each engine makes its own subdirectory there and removes it when it ends.")
+    pin_memory: bool = Field(
+        False, description="Page-lock the host buffers that move to and from a GPU, so the copies run "
+                           "asynchronously (checked against the host's free memory first); no effect on a CPU device.")
+    buffer_count: _Positive = Field(
+        4, description="Accepted for compatibility: zerodp keeps two tiles in flight (one read ahead, "
+                       "one written back) whatever this says.")
+    fast_init: bool = Field(False, description="Accepted for compatibility (no effect).")
+    pipeline_read: bool = Field(False, description="Accepted for compatibility: disk reads always run "
+                                                   "ahead of the step.")
+    pipeline_write: bool = Field(False, description="Accepted for compatibility: disk writes always run "
+                                                    "behind the step.")
+
+    @model_validator(mode="after")
+    def _nvme_needs_path(self):
+        if self.device == "nvme" and not self.nvme_path:
+            raise ValueError('allowed: device "nvme" needs nvme_path, a directory on a local disk')
+        return self
+
+
+class OffloadOptimizerConfig(_OffloadBase):
+    """``offload_optimizer``: fp32 master weights, optimizer states and the gradient shard the
+    step reads live in host memory (``cpu``) or in files (``nvme``); the step runs on the CPU."""
+
+    ratio: float = Field(1.0, description="Fraction of the optimizer offloaded; zerodp offloads all "
+                                          "of it, so only 1.0 is allowed.")
+
+    @model_validator(mode="after")
+    def _whole(self):
+        if self.ratio != 1.0:
+            raise ValueError("allowed: ratio 1.0; zerodp offloads the whole optimizer, and a partial "
+                             "offload would change what stays on the device")
+        return self
+
+
+class OffloadParamConfig(_OffloadBase):
+    """``offload_param`` (stage 3): this rank's parameter shards live in host memory; each unit's
+    shards go to the compute device when the unit is gathered."""
+
+    buffer_count: _Positive = Field(5, description="Accepted for compatibility.")
+    buffer_size: _Positive = Field(100_000_000, description="Accepted for compatibility.")
+    max_in_cpu: _Positive = Field(1_000_000_000, description="Accepted for compatibility.")
+
+    @model_validator(mode="after")
+    def _no_nvme_yet(self):
+        if self.device == "nvme":
+            raise ValueError('allowed: "none" or "cpu"; parameter shards on disk are not available '
+                             "yet (optimizer states on disk are: offload_optimizer.device \"nvme\")")
+        return self
+
+
+OffloadConfig = OffloadOptimizerConfig  # the name earlier versions exported
+
+
+class AioConfig(_Section):
+    """``aio``: how disk offload reads and writes its swap files."""
+
+    block_size: _Positive = Field(1_048_576, description="Bytes per read or write request of a tile.")
+    queue_depth: _Positive = Field(8, description="Requests of one tile in flight at once.")
+    thread_count: _Positive = Field(1, description="Accepted for compatibility: zerodp sizes its I/O "
+                                                   "threads by queue_depth.")
+    single_submit: bool = Field(False, description="Accepted for compatibility (no effect).")
+    overlap_events: bool = Field(True, description="Accepted for compatibility (no effect).")
+    use_gds: Annotated[bool, _only(False, "GPUDirect Storage is not available")] = Field(
+        False, description="Must be false.")
 
 
 class ZeroConfig(_Section):
@@ -105,12 +172,40 @@ class ZeroConfig(_Section):
         1_000_000_000, description="Stage 3: after its forward, a unit stays gathered when the recorded order uses it again (later in forward or in backward) before this many elements of other units are gathered, within stage3_max_live_parameters; 0 releases every unit after each use.")
     stage3_gather_16bit_weights_on_model_save: bool = Field(
         False, description="Accepted for compatibility: save_16bit_model always gathers the full weights at stage 3 (DeepSpeed writes nothing there unless this is true).")
-    offload_optimizer: OffloadConfig | None = Field(
-        None, description='Optimizer offload; must be absent or device "none".')
-    offload_param: OffloadConfig | None = Field(
-        None, description='Parameter offload; must be absent or device "none".')
-    cpu_offload: Annotated[bool, _only(False, _NO_OFFLOAD)] = Field(
-        False, description="Legacy DeepSpeed offload switch; must be false.")
+    offload_optimizer: OffloadOptimizerConfig | None = Field(
+        None, description="Optimizer offload (stages 1-3): see docs/offload.md.")
+    offload_param: OffloadParamConfig | None = Field(
+        None, description="Parameter offload (stage 3): see docs/offload.md.")
+    sub_group_size: _Positive = Field(
+        1_000_000_000, description="With optimizer offload: the most elements of this rank's shard the "
+                                   "step holds in host memory at once (the tile it walks; a parameter "
+                                   "piece larger than this is a tile of its own).")
+    cpu_offload: bool = Field(False, description='Legacy DeepSpeed switch: true means offload_optimizer '
+                                                 '{"device": "cpu"}.')
+
+    @model_validator(mode="after")
+    def _offload_fits_stage(self) -> "ZeroConfig":
+        if self.cpu_offload and self.offload_optimizer is None:
+            self.offload_optimizer = OffloadOptimizerConfig(device="cpu")
+        if self.optimizer_offload != "none" and self.stage == 0:
+            raise ValueError("allowed: offload_optimizer at stages 1-3; stage 0 keeps the optimizer "
+                             "whole on every rank (use stage 1 or higher to offload it)")
+        if self.param_offload != "none" and self.stage != 3:
+            raise ValueError("allowed: offload_param at stage 3 only, where parameters are sharded")
+        if self.param_offload != "none" and self.optimizer_offload == "none":
+            raise ValueError("allowed: offload_param together with offload_optimizer (the step updates "
+                             "the parameter shards where they live, on the host)")
+        return self
+
+    @property
+    def optimizer_offload(self) -> str:
+        """``"none"``, ``"cpu"`` or ``"nvme"``."""
+        return "none" if self.offload_optimizer is None else self.offload_optimizer.device
+
+    @property
+    def param_offload(self) -> str:
+        """``"none"`` or ``"cpu"``."""
+        return "none" if self.offload_param is None else self.offload_param.device
 
     @property
     def overlap_comm_effective(self) -> bool:
@@ -251,6 +346,7 @@ class Config(_Section):
         False, description="Must be false (gradient pre-scaling is not implemented).")
     sparse_gradients: Annotated[bool, _only(False, _NO_GRAD_OP)] = Field(
         False, description="Must be false (sparse gradients are not implemented).")
+    aio: AioConfig = Field(default_factory=AioConfig, description="Disk offload I/O settings.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig,
                                          description="Checkpoint saving.")
     csv_monitor: CSVMonitorConfig = Field(default_factory=CSVMonitorConfig,
@@ -309,7 +405,17 @@ def _preset(stage: int) -> dict:
     }
 
 
-PRESETS: dict[str, dict] = {f"zero{stage}": _preset(stage) for stage in range(4)}
+def _offload_preset(stage: int) -> dict:
+    """Stage 2 or 3 with the optimizer (and at stage 3 the parameters) in pinned host memory."""
+    cfg = _preset(stage)
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if stage == 3:
+        cfg["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
+    return cfg
+
+
+PRESETS: dict[str, dict] = {**{f"zero{stage}": _preset(stage) for stage in range(4)},
+                            "zero2_offload": _offload_preset(2), "zero3_offload": _offload_preset(3)}
 
 
 def get_preset(name: str) -> dict:

@@ -48,6 +48,7 @@ from .assemble import (adopt_replaced_params, broadcast_initial_state, build_fla
 from .fetch import (Prefetcher, Unit, external_users, initialize_meta_units, install_external_hooks,
                     install_unit_hooks, plan_units, register_params)
 from .monitor import monitor_from_config
+from .offload import OptimizerOffload, group_cap
 from .plain_loop import PlainLoop
 from .precision import LossScaler, PrecisionPolicy
 from .stages import StagePolicy, policy_for
@@ -175,7 +176,7 @@ class ZeroEngine(EngineAPI, nn.Module):
                             tuple(unit_classes))
         sharding = self.policy.shard_optimizer  # partitions: 1/N of each group per rank, or all of it
         self.flat_groups = build_flat_groups(
-            self.base_module, groups, self._unit_of, self.zero_config.reduce_bucket_size,
+            self.base_module, groups, self._unit_of, group_cap(self.zero_config, self.dp_world_size),
             partitions=self.dp_world_size if sharding else 1, rank=self.dp_rank if sharding else 0,
             device=self.device)
         adopt_replaced_params(self.base_module, self.flat_groups)
@@ -192,11 +193,21 @@ class ZeroEngine(EngineAPI, nn.Module):
             g.allocate_gradients(keep_full=not self.policy.shard_gradients,
                                  dtype=self.precision.grad_dtype(g.dtype))
 
+        # offload: fp32 masters and optimizer states on the host or disk, the step there (offload/)
+        self.offload: Optional[OptimizerOffload] = None
+        if self.zero_config.optimizer_offload != "none":
+            self.offload = OptimizerOffload(self.zero_config, config.aio, self.trainable, self.device,
+                                            self.dp_rank)
         pieces_by_group = [[] for _ in groups]
         for g in self.trainable:  # 16-bit parameters: the optimizer updates fp32 masters
-            master = g.make_master() if self.precision.keeps_master(g.dtype) else g.shard
+            if self.offload is not None:
+                master = self.offload.make_master(g)
+            else:
+                master = g.make_master() if self.precision.keeps_master(g.dtype) else g.shard
             pieces_by_group[g.param_group].extend(g.make_piece_params(master))
         self.optimizer = build_optimizer(config, groups, pieces_by_group, optimizer)
+        if self.offload is not None:
+            self.offload.finish_setup()
         self._plain = PlainLoop(self)  # before the scheduler, which wraps optimizer.step
         _ds_comm.register_engine(self)  # for zerodp.comm.log_summary()
         self.lr_scheduler = build_lr_scheduler(config, self.optimizer, lr_scheduler)
@@ -244,6 +255,9 @@ class ZeroEngine(EngineAPI, nn.Module):
         if meta:
             initialize_meta_units(self.units, self.config.seed or 0, self.device, param_init_fn,
                                   self.prefetcher)
+        if zc.param_offload == "cpu":  # this rank's shards in host memory, copied in per gather
+            for g in self.flat_groups:
+                g.offload_shard(zc.offload_param.pin_memory)
 
     # -- forward / backward -------------------------------------------------------------
 
@@ -467,8 +481,13 @@ class ZeroEngine(EngineAPI, nn.Module):
     def _apply_update(self) -> None:
         if self._checkpointer is not None:  # an asynchronous save may still be copying the states
             self._checkpointer.before_update()
-        grads = self._unscaled_fp32_grads()
-        norm, used = self._global_norm_and_usage(grads)
+        divisor = self.dp_world_size * (self.loss_scaler.scale if self.loss_scaler else 1.0)
+        if self.offload is None:
+            grads = self._unscaled_fp32_grads(divisor)
+            norm, used = self._global_norm_and_usage(grads)
+        else:  # the gradient shards go to the host as they are; divided there, tile by tile
+            norm, used = self._global_norm_and_usage([g.grad_shard for g in self.trainable])
+            norm /= divisor
         self._global_grad_norm = norm
         if self.loss_scaler is not None:
             overflow = not math.isfinite(norm)
@@ -483,17 +502,18 @@ class ZeroEngine(EngineAPI, nn.Module):
                 return
         self._step_applied = True
         clip = self.config.gradient_clipping
-        if clip > 0:
-            coef = clip / (norm + 1e-6)
-            if coef < 1.0:
-                for grad in grads:
+        coef = min(clip / (norm + 1e-6), 1.0) if clip > 0 else 1.0
+        if self.offload is not None:
+            self.offload.step(self.optimizer, used, divisor, coef)
+        else:
+            for g, u, grad in zip(self.trainable, used, grads):
+                if coef < 1.0:
                     grad.mul_(coef)
-        for g, u, grad in zip(self.trainable, used, grads):
-            g.attach_piece_grads(u, grad)
-        type(self.optimizer).step(self.optimizer)  # the class's step: the instance's is optimizer.step() of plain loops
+                g.attach_piece_grads(u, grad)
+            type(self.optimizer).step(self.optimizer)  # the class's step: the instance's is optimizer.step() of plain loops
+            for g in self.trainable:
+                g.write_back_master()
         self.optimizer._opt_called = True  # what torch's scheduler checks (its wrapper is on the instance's step)
-        for g in self.trainable:
-            g.write_back_master()
         if self.policy.gather_after_step:
             handles = [self.comm.all_gather(g.full, async_op=True) for g in self.trainable]
             for h in handles:
@@ -502,11 +522,10 @@ class ZeroEngine(EngineAPI, nn.Module):
             self.lr_scheduler.step()
         self.zero_grad()
 
-    def _unscaled_fp32_grads(self) -> list[torch.Tensor]:
-        """Each group's reduced gradient shard divided by the data-parallel size (and the loss
-        scale): in place when the optimizer updates the parameter shard itself, else as an
-        fp32 copy for the fp32 master (freed after the step)."""
-        divisor = self.dp_world_size * (self.loss_scaler.scale if self.loss_scaler else 1.0)
+    def _unscaled_fp32_grads(self, divisor: float) -> list[torch.Tensor]:
+        """Each group's reduced gradient shard divided by ``divisor`` (the data-parallel size
+        times the loss scale): in place when the optimizer updates the parameter shard itself,
+        else as an fp32 copy for the fp32 master (freed after the step)."""
         grads = []
         for g in self.trainable:
             grad = g.grad_shard
@@ -554,3 +573,5 @@ class ZeroEngine(EngineAPI, nn.Module):
         self._hooks, self._unit_hooks = [], []
         if self.monitor is not None:
             self.monitor.close()
+        if self.offload is not None:
+            self.offload.close()

@@ -33,7 +33,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from .config import OffloadConfig, ZeroConfig
+from .config import ZeroConfig
 from .engine import MAX_BUCKETS_IN_FLIGHT
 from .fetch import plan_units
 from .flat import ALIGN_BYTES
@@ -561,9 +561,10 @@ def estimate_row(acc: Accounting, model: ModelInfo, stage: int, offload: str, n:
     Without offload: parameters sharded at stage 3, gradients from stage 2, master weights and
     optimizer states from stage 1. With optimizer offload, the device keeps only the 16-bit
     parameters and gradients (or their shards); the CPU holds, for this rank's optimizer
-    partition, the weights it updates (the fp32 master, or the parameters without one), the
-    gradients in that dtype and the optimizer states. Parameter offload (stage 3) moves the
-    parameter shard to the CPU too.
+    partition, the weights it updates (the fp32 master, or the parameters without one) and the
+    optimizer states (the gradient shard comes to the CPU a tile at a time, through transfer
+    buffers of at most ``sub_group_size`` elements, not counted here). Parameter offload (stage
+    3) moves the parameter shard to the CPU too.
     """
     psi, trained = model.params, model.trainable_params
     opt_ranks = n if stage >= 1 else 1
@@ -574,8 +575,7 @@ def estimate_row(acc: Accounting, model: ModelInfo, stage: int, offload: str, n:
     cpu = 0
     if offload != "none":
         weights = FP32 if acc.master else acc.params  # what the CPU optimizer updates
-        cpu_grads = weights                           # gradients arrive in that dtype
-        cpu = _share(weights + cpu_grads + acc.states, trained, opt_ranks)
+        cpu = _share(weights + acc.states, trained, opt_ranks)
         master = states = 0
     if offload == "optimizer+params":
         cpu += params
@@ -685,14 +685,6 @@ def _reason(row: Row, by_key: dict, device_memory: int, act: str) -> str:
             f"{cpu}); offload runs the optimizer step on the CPU and is often 2-3x slower")
 
 
-def _offload_supported() -> bool:
-    try:
-        OffloadConfig(device="cpu")
-        return True
-    except ValueError:
-        return False
-
-
 def estimate(model: Union[str, int, nn.Module, ModelInfo], *, nodes: int = 1, ranks_per_node: int = 1,
              device_memory: Union[None, str, int] = None, cpu_memory: Union[None, str, int] = None,
              precision: str = "bf16", optimizer: Union[str, OptimizerSpec] = "adamw",
@@ -728,11 +720,11 @@ def estimate(model: Union[str, int, nn.Module, ModelInfo], *, nodes: int = 1, ra
                       device, cpu) for stage, off in ROW_KEYS]
     rec, reason = _recommend(rows, device, cpu, acts)
     notes = [acts.note] if acts.bytes is None else []
-    if rec is not None and rec.offload != "none" and not _offload_supported():
-        notes.append("this version of zerodp does not implement offload yet (offload_optimizer and "
-                     "offload_param must be \"none\"); the offload rows show what it would hold")
-    notes.append("stages 0 and 1 with offload are shown for completeness: stage 2 with offload "
-                 "keeps less on the device for the same CPU memory, so it is recommended instead")
+    notes.append("stage 0 with offload is shown for comparison only (zerodp offloads from stage 1; "
+                 "stage 2 with offload keeps less on the device for the same CPU memory, so it is "
+                 "recommended instead of stages 0-1)")
+    notes.append("offload to disk (device \"nvme\") keeps the CPU column in files instead, with at most "
+                 "three tiles of sub_group_size elements of it in CPU memory at once")
     notes.append(f"padding: each flat group is padded to N shards of a multiple of {ALIGN_BYTES} "
                  f"bytes, under {ALIGN_BYTES} bytes per shard per group")
     return Estimate(info, nodes, ranks_per_node, precision, spec, acc, device, cpu, buffers, acts,

@@ -23,8 +23,9 @@ world-size-independent checkpoints need.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -109,6 +110,7 @@ class FlatGroup:
         self.grad_full: Optional[torch.Tensor] = None
         self.grad_shard: Optional[torch.Tensor] = None
         self.master: Optional[torch.Tensor] = None  # fp32 copy of the shard (mixed precision)
+        self.master_page: Optional[Any] = None  # disk offload: the file master and states live in
         self.piece_params: list[nn.Parameter] = []
 
     def _adopt_meta_params(self) -> None:
@@ -178,6 +180,14 @@ class FlatGroup:
         self._own_shard = self.shard_of(self.full).clone()
         self.release()
 
+    def offload_shard(self, pin: bool) -> None:
+        """Keep this rank's shard in host memory (stage 3 ``offload_param``; page-locked with
+        ``pin`` on a GPU); ``gather`` copies it to the device."""
+        shard = torch.empty(self.shard_numel, dtype=self.dtype,
+                            pin_memory=pin and self.device.type == "cuda")
+        shard.copy_(self._own_shard)
+        self._own_shard = shard
+
     @property
     def shards_parameters(self) -> bool:
         """Whether parameters persist as this rank's shard only (stage 3)."""
@@ -200,7 +210,7 @@ class FlatGroup:
                 self.wait_gathered()
             return
         self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
-        self.shard_of(self.full).copy_(self._own_shard)
+        self.shard_of(self.full).copy_(self._own_shard, non_blocking=True)  # from the host too
         self._pending = comm.all_gather(self.full, async_op=async_op)
 
     def wait_gathered(self) -> None:
@@ -272,12 +282,30 @@ class FlatGroup:
     def write_back_master(self) -> None:
         """Round the updated fp32 master into this rank's 16-bit parameter shard."""
         if self.master is not None:
-            self.shard.copy_(self.master)
+            with self.swapped_in():
+                self.shard.copy_(self.master)
 
     def refresh_master(self) -> None:
         """Take the master from the parameter shard again (after parameters were overwritten)."""
         if self.master is not None:
-            self.master.copy_(self.shard)
+            with self.swapped_in():
+                self.master.copy_(self.shard)
+
+    @contextlib.contextmanager
+    def swapped_in(self):
+        """With disk offload, the master and optimizer states are in memory inside this context
+        (read from their file, written back after); otherwise nothing happens."""
+        page = self.master_page
+        if page is None or page.resident:
+            if page is not None:
+                page.wait()
+            yield
+            return
+        page.page_in()
+        try:
+            yield
+        finally:
+            page.page_out(wait=True)
 
     # -- optimizer pieces ---------------------------------------------------------------
 

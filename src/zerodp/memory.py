@@ -39,22 +39,22 @@ def measure_model_states(engine: "ZeroEngine") -> dict[str, int]:
     * ``gradient_buckets``: temporary stage-2 buckets alive right now (zero between steps);
     * ``gradient_buckets_peak``: the most bytes of such buckets alive at once so far.
 
-    ``model_states`` is the sum of the first four.
+    ``model_states`` is the sum of the first four. With offload, ``model_states_on_compute``,
+    ``model_states_on_host`` and ``model_states_on_disk`` split it by where it lives (on a
+    CPU-only machine "compute" and "host" are the same memory), ``offload_buffers`` is the
+    host transfer buffers and ``offload_tiles_peak`` the most bytes of disk-offloaded tiles read
+    into host memory at once.
     """
     out = dict.fromkeys(CATEGORIES, 0)
-    param_ptrs = set()
     for g in engine.flat_groups:
         persistent = g.shard if g.shards_parameters else g.full
         out["parameters"] += _nbytes(persistent)
-        param_ptrs.add(persistent.untyped_storage().data_ptr())
         if g.shards_parameters:
             out["gathered_parameters"] += g.full.untyped_storage().nbytes()
     for g in engine.trainable:
         out["gradients"] += _nbytes(g.grad_full if g.grad_full is not None else g.grad_shard)
-        masters = {pp.untyped_storage().data_ptr(): pp for pp in g.piece_params}
-        for ptr, pp in masters.items():
-            if ptr not in param_ptrs:
-                out["master_weights"] += pp.untyped_storage().nbytes()
+        if g.master is not None:
+            out["master_weights"] += _nbytes(g.master)  # offloaded to disk: its size in the file
     for group in engine.optimizer.param_groups:
         for p in group["params"]:
             for value in engine.optimizer.state.get(p, {}).values():
@@ -68,4 +68,21 @@ def measure_model_states(engine: "ZeroEngine") -> dict[str, int]:
     out["gathered_parameters_peak"] = engine.prefetcher.peak_gathered_bytes if engine.units else 0
     out["model_states"] = (out["parameters"] + out["gradients"] + out["master_weights"]
                            + out["optimizer_states"])
+    off = getattr(engine, "offload", None)
+    if off is not None:
+        out.update(_placement(engine, out, off))
     return out
+
+
+def _placement(engine: "ZeroEngine", out: dict[str, int], off) -> dict[str, int]:
+    """With offload: model-state bytes on the compute device, in host memory and on disk, the
+    offload's host transfer buffers, and (disk offload) the most bytes of tiles read into host
+    memory at once so far."""
+    where = {"compute": 0, "host": 0, "disk": 0}
+    params_at = "host" if engine.zero_config.param_offload == "cpu" else "compute"
+    where[params_at] += out["parameters"]
+    where["compute"] += out["gradients"]
+    where[off.location] += out["master_weights"] + out["optimizer_states"]
+    return {"model_states_on_compute": where["compute"], "model_states_on_host": where["host"],
+            "model_states_on_disk": where["disk"], "offload_buffers": off.buffer_bytes,
+            "offload_tiles_peak": off.peak_resident_bytes}

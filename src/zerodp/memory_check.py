@@ -84,8 +84,9 @@ def compare_with_engine(engine: "ZeroEngine") -> list[Comparison]:
     def grad_bytes(g) -> int:
         return g.grad_shard.element_size() if g.grad_shard is not None else param_bytes(g)
 
-    def master_bytes(g) -> int:
-        return FP32 if g.dtype in (torch.float16, torch.bfloat16) else 0
+    def master_bytes(g) -> int:  # 16-bit groups, and every group under optimizer offload
+        offloaded = getattr(engine, "offload", None) is not None
+        return FP32 if g.dtype in (torch.float16, torch.bfloat16) or offloaded else 0
 
     def state_bytes(g) -> int:
         count = _elementwise_states(engine.optimizer, engine.optimizer.param_groups[g.param_group])

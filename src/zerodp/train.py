@@ -113,8 +113,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "1 runs in this process (default: %(default)s)")
     cfg = parser.add_argument_group("configuration")
     cfg.add_argument("--preset", choices=list(PRESETS), default=None,
-                     help=f"built-in ZeRO config: stage 0-3 with AdamW and gradient clipping "
+                     help=f"built-in ZeRO config: stage 0-3 with AdamW and gradient clipping; "
+                          f"zero2_offload and zero3_offload also keep the optimizer (at stage 3 also "
+                          f"the parameter shards) in pinned host memory "
                           f"(default: {DEFAULT_PRESET}, or none when --config is given)")
+    cfg.add_argument("--nvme-path", metavar="DIR", default=None,
+                     help="offload the fp32 master weights and optimizer states to files under DIR "
+                          "(offload_optimizer.device \"nvme\"; stage 1-3), read and written a tile "
+                          "of sub_group_size elements at a time during the step")
     cfg.add_argument("--config", metavar="PATH", default=None,
                      help="DeepSpeed-style JSON config; with --preset it is merged over the preset. "
                           "It must have an 'optimizer' block unless a preset supplies one")
@@ -261,6 +267,10 @@ def build_config(args: argparse.Namespace) -> Config:
     if precision is not None:
         data["bf16"] = dict(data.get("bf16") or {}, enabled=precision == "bf16")
         data["fp16"] = dict(data.get("fp16") or {}, enabled=precision == "fp16")
+    nvme = getattr(args, "nvme_path", None)
+    if nvme:
+        zero = data["zero_optimization"] = dict(data.get("zero_optimization") or {})
+        zero["offload_optimizer"] = dict(zero.get("offload_optimizer") or {}, device="nvme", nvme_path=nvme)
     if getattr(args, "async_save", False):
         data["checkpoint"] = dict(data.get("checkpoint") or {}, async_save=True)
     metrics_dir = getattr(args, "metrics_dir", None)

@@ -137,10 +137,14 @@ class RankPlan:
             self._collect_keys(part)
             self.parts.append(part)
             best = g.master if g.master is not None else g.shard
-            self._add(f"g{g.index}.value", best[lo - g.shard_lo:hi - g.shard_lo])
+            if g.master_page is None:
+                self._add(f"g{g.index}.value", best[lo - g.shard_lo:hi - g.shard_lo])
+            else:  # disk offload: read from the tile's file while written
+                self._add_parts(f"g{g.index}.value", best.dtype, hi - lo,
+                                lambda g=g, a=lo - g.shard_lo, b=hi - g.shard_lo: _swapped_in(g, lambda: [g.master[a:b]]))
             for key in part.keys:
                 self._add_parts(f"g{g.index}.state.{key}", part.state_dtypes[key], hi - lo,
-                                lambda part=part, key=key: self._state_parts(part, key))
+                                lambda part=part, key=key: _swapped_in(part.group, lambda: self._state_parts(part, key)))
             self.json["groups"][str(g.index)] = {
                 "keys": part.keys,
                 "pieces": [None if st is None else {k: _scalar_json(v) for k, v in st.items()
@@ -250,6 +254,13 @@ class RankPlan:
                 self.add_whole(f"extra.{name}.value", p.detach())
             for name, b in self.buffers.items():
                 self.add_whole(f"buffer.{name}", b)
+
+
+def _swapped_in(g: FlatGroup, parts) -> Iterator[torch.Tensor]:
+    """The tensors ``parts()`` yields, with group ``g``'s offloaded master and states in memory
+    from before they are made until they are used."""
+    with g.swapped_in():
+        yield from parts()
 
 
 def merge_rank_records(index: dict, records: list[dict]) -> None:

@@ -375,11 +375,15 @@ def load_into_engine(engine: "ZeroEngine", src: Source, *, strict: bool = True,
     for unit in engine.units:
         unit.release()
     with torch.no_grad():
+        values: dict[int, list] = {}
         for g, pc, value in plan.values:
-            target = g.master if g.master is not None else g.shard
-            target[pc.shard_lo:pc.shard_hi].copy_(value)
+            values.setdefault(g.index, []).append((pc, value))
         for g in engine.flat_groups:
-            g.write_back_master()
+            with g.swapped_in():  # disk offload: one read and write of the tile
+                target = g.master if g.master is not None else g.shard
+                for pc, value in values.get(g.index, ()):
+                    target[pc.shard_lo:pc.shard_hi].copy_(value)
+                g.write_back_master()
             if not g.shards_parameters and g.partitions > 1:
                 engine.comm.all_gather(g.full)
         params = dict(engine.base_module.named_parameters())
@@ -392,6 +396,8 @@ def load_into_engine(engine: "ZeroEngine", src: Source, *, strict: bool = True,
     if not load_module_only:
         if with_optimizer:
             _load_optimizer(engine, src, plan)
+            if engine.offload is not None:  # disk offload: the loaded states go to their files
+                engine.offload.rehome_states(engine.optimizer)
         if load_lr_scheduler_states and engine.lr_scheduler is not None and src.lr_scheduler is not None:
             _load_lr_scheduler(engine, src)
         if engine.loss_scaler is not None and src.loss_scaler is not None:

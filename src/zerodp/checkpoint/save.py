@@ -147,19 +147,19 @@ class Staging:
     def nbytes(self) -> int:
         return 0 if self.buffer is None else self.buffer.numel()
 
-    def start(self, plan: RankPlan) -> dict[str, torch.Tensor]:
-        """Views of the staging buffer for every tensor of ``plan``, and the copy into them started."""
-        sizes = [-(-spec.nbytes // self.ALIGN) * self.ALIGN for spec in plan.specs]
+    def start(self, plan: RankPlan, copy_now: bool = False) -> dict[str, torch.Tensor]:
+        """Views of the staging buffer for every tensor of ``plan``, and the copy into them
+        started; with ``copy_now`` (optimizer states on disk, read in tile by tile while copied)
+        the copy is made before this returns."""
+        if copy_now:
+            views = self._views(plan, plan.engine.device.type == "cuda")
+            for name, out in views.items():
+                _copy_parts(plan.parts_of(name), out)
+            self._event, self._pending = None, []
+            return views
         parts = {spec.name: list(plan.parts_of(spec.name)) for spec in plan.specs}
         on_gpu = any(p.device.type == "cuda" for ps in parts.values() for p in ps)
-        total = max(sum(sizes), self.ALIGN)
-        if self.buffer is None or self.buffer.numel() < total or self.buffer.is_pinned() != on_gpu:
-            self.buffer = None
-            self.buffer = torch.empty(total, dtype=torch.uint8, pin_memory=on_gpu)
-        views, pos = {}, 0
-        for spec, size in zip(plan.specs, sizes):
-            views[spec.name] = self.buffer[pos:pos + spec.nbytes].view(spec.dtype)
-            pos += size
+        views = self._views(plan, on_gpu)
         work = [(parts[name], views[name]) for name in views]
         self._copied.clear()
         if on_gpu:
@@ -174,6 +174,19 @@ class Staging:
         else:
             self._event = None
             self._pending = work
+        return views
+
+    def _views(self, plan: RankPlan, pinned: bool) -> dict[str, torch.Tensor]:
+        """The (re)used buffer, cut into one view per tensor of ``plan``."""
+        sizes = [-(-spec.nbytes // self.ALIGN) * self.ALIGN for spec in plan.specs]
+        total = max(sum(sizes), self.ALIGN)
+        if self.buffer is None or self.buffer.numel() < total or self.buffer.is_pinned() != pinned:
+            self.buffer = None
+            self.buffer = torch.empty(total, dtype=torch.uint8, pin_memory=pinned)
+        views, pos = {}, 0
+        for spec, size in zip(plan.specs, sizes):
+            views[spec.name] = self.buffer[pos:pos + spec.nbytes].view(spec.dtype)
+            pos += size
         return views
 
     def copy_in_background(self) -> None:
@@ -197,7 +210,7 @@ class Staging:
         self._copied.wait()
 
 
-def _copy_parts(parts: list[torch.Tensor], out: torch.Tensor, non_blocking: bool = False) -> None:
+def _copy_parts(parts: Iterable[torch.Tensor], out: torch.Tensor, non_blocking: bool = False) -> None:
     pos = 0
     for p in parts:
         n = p.numel()
@@ -215,7 +228,8 @@ class _Job:
         self.save_dir, self.tag, self.save_latest = save_dir, tag, save_latest
         self.partial = save_dir / f".{tag}.partial"
         self.staging = staging
-        self.staged = staging.start(plan) if staging is not None else None
+        paged = any(g.master_page is not None for g in plan.engine.flat_groups)
+        self.staged = staging.start(plan, copy_now=paged) if staging is not None else None
         self._plan = None if staging is not None else plan
         self.nbytes = sum(s.nbytes for s in plan.specs)
 

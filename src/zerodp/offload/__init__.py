@@ -1,0 +1,25 @@
+"""Offload: model states in host memory or on disk (see ``docs/offload.md``).
+
+* ``optimizer.py``: ``offload_optimizer`` — fp32 masters and optimizer states on the host
+  (``cpu``) or in files (``nvme``), the step walked tile by tile on the CPU;
+* ``swap.py``: tensors paged to and from files with parallel positional I/O;
+* ``host.py``: the host-memory check made before anything is allocated.
+
+Stage 3's ``offload_param: cpu`` is ``FlatGroup.offload_shard``: a shard in host memory that
+``gather`` copies to the device.
+"""
+from __future__ import annotations
+
+from .host import HostMemoryError, available_host_bytes, check_host_budget
+from .optimizer import OptimizerOffload
+
+__all__ = ["OptimizerOffload", "HostMemoryError", "available_host_bytes", "check_host_budget", "group_cap"]
+
+
+def group_cap(zero_config, world_size: int) -> int:
+    """Elements per flat group: ``reduce_bucket_size``, and with optimizer offload at most
+    ``sub_group_size`` per rank's shard (a group's shard is the tile the offloaded step walks)."""
+    cap = int(zero_config.reduce_bucket_size)
+    if zero_config.optimizer_offload != "none":
+        cap = min(cap, int(zero_config.sub_group_size) * world_size)
+    return cap

@@ -1,0 +1,220 @@
+"""Optimizer offload (ZeRO-Offload to host memory, ZeRO-Infinity to disk).
+
+With ``offload_optimizer``, what the step needs besides the gradient shard on the compute
+device lives on the host: each flat group's fp32 master shard and its optimizer states (in host
+memory, or with ``nvme`` in files under ``nvme_path``), and the step runs there. The compute
+device keeps only the (16-bit or fp32) parameters and the gradient shard.
+
+The step walks this rank's flat groups as tiles (``sub_group_size`` caps a group's shard when
+offload is on), in a pipeline:
+
+    copy tile k+1's gradient shard device -> host (pinned buffer, non-blocking)
+    (disk: read tile k+1's master and states, in the background)
+    tile k: wait for its copy (and read); fp32 gradient on the host; divide, clip; optimizer step
+    tile k: round the master into a pinned buffer in the parameter dtype; copy host -> device
+            (non-blocking), where the all-gather after the step picks it up
+    (disk: write tile k back and free its memory, in the background)
+
+So on a GPU the transfers of one tile overlap the update of the next, and with disk offload at
+most three tiles' masters and states are in memory at once (the one written back, the one
+updated, the one read ahead). On a CPU device the same code runs; the copies are then
+synchronous copies within host memory.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from ..accelerator import CopiesDone, host_empty
+from ..flat import FlatGroup
+from .host import check_host_budget
+from .swap import PagedTensors, SwapDir
+
+logger = logging.getLogger("zerodp")
+
+#: Optimizer state elements per parameter element assumed by the host-memory check (Adam's two
+#: moments; the check runs before the optimizer has made its state).
+STATES_PER_ELEMENT = 2
+
+
+class OptimizerOffload:
+    """The offloaded masters, optimizer states and step of one engine's trainable groups."""
+
+    def __init__(self, zero_config, aio_config, groups: list[FlatGroup], device: torch.device,
+                 rank: int) -> None:
+        oc = zero_config.offload_optimizer
+        self.kind: str = oc.device                      # "cpu" or "nvme"
+        self.device = device
+        self.pin = bool(oc.pin_memory) and device.type == "cuda"
+        self.groups = groups
+        largest = max((g.shard_numel for g in groups), default=0)
+        grad_bytes = max((g.grad_shard.element_size() for g in groups), default=4)
+        param_bytes = max((g.full.element_size() for g in groups), default=4)
+        shard = sum(g.shard_numel for g in groups)
+        resident = shard if self.kind == "cpu" else min(shard, 3 * largest)
+        self.staging_bytes = 2 * largest * (grad_bytes + param_bytes) + 4 * largest
+        check_host_budget({"fp32 master": 4 * resident,
+                           "optimizer states (est.)": 4 * STATES_PER_ELEMENT * resident,
+                           "transfer buffers": self.staging_bytes}, self.pin)
+        # two of each transfer buffer: one tile in flight while the other is worked on
+        self._grad_stage = [host_empty(largest * grad_bytes, torch.uint8, device, self.pin) for _ in range(2)]
+        self._param_stage = [host_empty(largest * param_bytes, torch.uint8, device, self.pin) for _ in range(2)]
+        self._param_sent: list[Optional[CopiesDone]] = [None, None]
+        self._grad32 = torch.empty(largest if grad_bytes != 4 else 0, dtype=torch.float32)
+        self.swap: Optional[SwapDir] = None
+        if self.kind == "nvme":
+            self.swap = SwapDir(oc.nvme_path, rank, aio_config.block_size, aio_config.queue_depth)
+        self._state_flats: dict[int, dict[str, torch.Tensor]] = {g.index: {} for g in groups}
+        self.peak_resident_bytes = 0
+        self.location = "disk" if self.kind == "nvme" else "host"
+
+    # -- set-up ---------------------------------------------------------------------------
+
+    def make_master(self, g: FlatGroup) -> torch.Tensor:
+        """``g``'s fp32 master in host memory (with disk offload, written to its file and freed)."""
+        master = torch.empty(g.shard_numel, dtype=torch.float32)
+        master.copy_(g.shard)
+        g.master = master
+        if self.swap is not None:
+            page = PagedTensors(self.swap, f"g{g.index}")
+            page.add(master)
+            g.master_page = page
+        return master
+
+    def finish_setup(self) -> None:
+        """After the optimizer is built over the masters' pieces: page every tile out."""
+        for g in self.groups:
+            if g.master_page is not None:
+                g.master_page.page_out(wait=True)
+
+    # -- the step -------------------------------------------------------------------------
+
+    def step(self, optimizer: torch.optim.Optimizer, used: list[list[bool]], divisor: float,
+             coef: float) -> None:
+        """One optimizer step over all tiles (see module docstring): gradients divided by
+        ``divisor``, then multiplied by the clipping ``coef`` when it is below 1."""
+        groups = self.groups
+        if not groups:
+            return
+        saved = [grp["params"] for grp in optimizer.param_groups]
+        try:
+            pending = self._fetch(0)
+            for k, g in enumerate(groups):
+                grad_host, copied = pending
+                if k + 1 < len(groups):
+                    pending = self._fetch(k + 1)
+                copied.wait()
+                if g.master_page is not None:
+                    g.master_page.wait()
+                    self._note_resident(k)
+                grad = grad_host
+                if grad.dtype != torch.float32:
+                    grad = self._grad32[:g.shard_numel]
+                    grad.copy_(grad_host)
+                if divisor != 1.0:
+                    grad.mul_(1.0 / divisor)
+                if coef < 1.0:
+                    grad.mul_(coef)
+                g.attach_piece_grads(used[k], grad)
+                for gi, grp in enumerate(optimizer.param_groups):
+                    grp["params"] = g.piece_params if gi == g.param_group else []
+                type(optimizer).step(optimizer)
+                for pp in g.piece_params:
+                    pp.grad = None
+                self._send_back(k, g)
+                if g.master_page is not None:
+                    self._adopt_states(g, optimizer)
+                    g.master_page.page_out()
+        finally:
+            for grp, params in zip(optimizer.param_groups, saved):
+                grp["params"] = params
+            self._wait_sent()
+            for g in groups:
+                if g.master_page is not None:
+                    g.master_page.wait()
+
+    def _note_resident(self, k: int) -> None:
+        """Disk offload: track the most bytes of tiles in memory at once (the one being written
+        back, this one, the one read ahead)."""
+        near = self.groups[max(0, k - 1):k + 2]
+        now = sum(t.untyped_storage().nbytes() for g in near for t in g.master_page.tensors)
+        self.peak_resident_bytes = max(self.peak_resident_bytes, now)
+
+    def _fetch(self, k: int) -> tuple[torch.Tensor, CopiesDone]:
+        """Start moving tile ``k``'s gradient shard to the host (and, on disk, its states in)."""
+        g = self.groups[k]
+        if g.master_page is not None:
+            g.master_page.page_in(wait=False)
+        stage = _as(self._grad_stage[k % 2], g.grad_shard.dtype, g.shard_numel)
+        stage.copy_(g.grad_shard, non_blocking=self.pin)
+        return stage, CopiesDone(self.device)
+
+    def _send_back(self, k: int, g: FlatGroup) -> None:
+        """Round tile ``k``'s master into the parameter dtype on the host; copy it to the shard."""
+        slot = k % 2
+        if self._param_sent[slot] is not None:
+            self._param_sent[slot].wait()  # the buffer's previous copy (tile k - 2) is done
+        out = _as(self._param_stage[slot], g.shard.dtype, g.shard_numel)
+        out.copy_(g.master)
+        g.shard.copy_(out, non_blocking=self.pin)
+        self._param_sent[slot] = CopiesDone(self.device)
+
+    def _wait_sent(self) -> None:
+        for i, sent in enumerate(self._param_sent):
+            if sent is not None:
+                sent.wait()
+                self._param_sent[i] = None
+
+    # -- disk: optimizer states in the tile's file -----------------------------------------
+
+    def _adopt_states(self, g: FlatGroup, optimizer: torch.optim.Optimizer) -> None:
+        """Move the elementwise optimizer states of ``g``'s pieces into the tile's flat state
+        tensors (made on the first step, kept in the tile's file) and make the optimizer's state
+        entries views of them. Scalars (Adam's step count) stay in memory."""
+        flats = self._state_flats[g.index]
+        for pc, pp in zip(g.pieces, g.piece_params):
+            st = optimizer.state.get(pp)
+            if not st:
+                continue
+            for key, v in st.items():
+                if not (isinstance(v, torch.Tensor) and v.dim() >= 1 and v.numel() == pp.numel()):
+                    continue
+                flat = flats.get(key)
+                if flat is None:
+                    flat = flats[key] = torch.zeros(g.shard_numel, dtype=v.dtype)
+                    g.master_page.add(flat)
+                view = flat[pc.shard_lo:pc.shard_hi]
+                if v.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
+                    view.copy_(v.reshape(-1))
+                    st[key] = view.view(v.shape)
+
+    def rehome_states(self, optimizer: torch.optim.Optimizer) -> None:
+        """After the optimizer's state was replaced (a checkpoint load): move it into the files."""
+        for g in self.groups:
+            if g.master_page is not None:
+                with g.swapped_in():
+                    self._adopt_states(g, optimizer)
+
+    # -- what it holds ------------------------------------------------------------------------
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Host bytes of the transfer buffers (gradient and parameter staging, fp32 gradient)."""
+        bufs = self._grad_stage + self._param_stage + [self._grad32]
+        return sum(b.numel() * b.element_size() for b in bufs)
+
+    def close(self) -> None:
+        if self.swap is not None:
+            for g in self.groups:
+                if g.master_page is not None:
+                    g.master_page.wait()
+            self.swap.close()
+
+
+def _as(buf: torch.Tensor, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """The first ``numel`` elements of byte buffer ``buf`` as ``dtype``."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return buf[:numel * size].view(dtype)
+

@@ -1,0 +1,141 @@
+"""Optimizer offload to host memory and to disk (``zerodp/offload/``): the same numbers as
+without offload and as one process, checkpoints that move between offload and none at another
+world size, the host-memory check, and the config keys."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import checkpoint_tasks as ct
+import offload_tasks as ot
+import zerodp
+from zerodp.config import ConfigError, load_config
+from zerodp.offload import HostMemoryError, check_host_budget
+
+K = 2
+
+
+def assert_close(got: dict, want: dict, atol: float, what: str) -> None:
+    assert got.keys() == want.keys()
+    for n, w in want.items():
+        err = (got[n].float() - w.float()).abs().max().item()
+        assert err <= atol, f"{what}: {n} max |diff| {err:.3g} > {atol}"
+
+
+ATOL = {"fp32": 2e-6, "bf16": 1e-5}
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_offload_gives_the_numbers_of_no_offload(pool, tmp_path, stage, dtype):
+    """Two ranks, 2K steps with clipping and a warm-up schedule: CPU offload and disk offload
+    (tiles of 40 elements, so the step walks many tiles through their files) give the masters,
+    parameters and gradient norms of the same run without offload and of one process."""
+    ref = ct.reference(dtype, [(2, 2 * K)])
+    plain = pool.run(ot.train_task, 2, stage, dtype, 2 * K, {})
+    runs = {"cpu": ot.zero_block("cpu"), "nvme": ot.zero_block("nvme", str(tmp_path), sub_group_size=40)}
+    if stage == 3:
+        runs["cpu+params"] = ot.zero_block("cpu", params=True)
+    for name, zero in runs.items():
+        out = pool.run(ot.train_task, 2, stage, dtype, 2 * K, zero)
+        for r, p in zip(out, plain):
+            assert_close(r["masters"], p["masters"], ATOL[dtype], f"{name} vs no offload")
+            assert_close(r["masters"], ref["masters"], ATOL[dtype], f"{name} vs one process")
+            assert r["norms"] == pytest.approx(p["norms"], rel=1e-5)
+            for n, v in r["params"].items():
+                assert v.dtype == p["params"][n].dtype
+                if n in r["masters"]:  # the parameters are the rounded masters
+                    assert torch.equal(v, r["masters"][n].to(v.dtype)), n
+        if name == "nvme":
+            files = out[0]["swap_files"]
+            assert files and all(f.endswith(".swp") for f in files)
+            assert not any(r["swap_left"] for r in out), "the swap directory outlived the engine"
+
+
+MOVES = [  # (save world, stage, offload) -> (load world, stage, offload)
+    ((2, 3, "nvme"), (3, 2, None)),
+    ((3, 1, None), (2, 3, "cpu")),
+    ((2, 2, "cpu"), (4, 1, "nvme")),
+]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("save,load", MOVES)
+def test_checkpoints_move_between_offload_and_none_at_another_world_size(pool, tmp_path, save, load, dtype):
+    """Saved with (or without) offload, loaded without (or with) it at another world size and
+    stage: the loaded masters are the saved ones exactly, and K more steps match one process."""
+    (sw, ss, so), (lw, ls, lo) = save, load
+    ckpt = tmp_path / "ckpt"
+    saved = pool.run(ot.train_task, sw, ss, dtype, K, ot.zero_block(so, str(tmp_path / "swap_a")),
+                     str(ckpt))[0]
+    out = pool.run(ot.resume_task, lw, ls, dtype, ot.zero_block(lo, str(tmp_path / "swap_b")),
+                   str(ckpt), K, 2 * K)
+    ref = ct.reference(dtype, [(sw, K), (lw, K)])
+    for r in out:
+        assert_close(r["loaded"]["masters"], saved["masters"], 0.0, "loaded")
+        assert_close(r["masters"], ref["masters"], ATOL[dtype], "continued")
+        assert r["norms"] == pytest.approx(ref["norms"][K:], rel=1e-5)
+
+
+def test_async_save_with_states_on_disk(pool, tmp_path):
+    """An asynchronous save reads the states from their files into the staging copy; loading it
+    without offload gives the saved masters exactly."""
+    zero = ot.zero_block("nvme", str(tmp_path / "swap"), sub_group_size=40)
+    saved = pool.run(ot.train_task, 2, 2, "bf16", K, zero, str(tmp_path / "ckpt"), True)[0]
+    out = pool.run(ot.resume_task, 2, 1, "bf16", {}, str(tmp_path / "ckpt"), K, K)
+    assert_close(out[0]["loaded"]["masters"], saved["masters"], 0.0, "loaded")
+
+
+# -- host memory ------------------------------------------------------------------------------
+
+def test_host_budget_names_what_does_not_fit():
+    check_host_budget({"fp32 master": 40 << 20}, pinned=True, available=1 << 30, ranks=2)
+    with pytest.raises(HostMemoryError) as e:
+        check_host_budget({"fp32 master": 400 << 20, "optimizer states (est.)": 800 << 20}, pinned=True,
+                          available=1 << 30, ranks=2)
+    text = str(e.value)
+    assert "2.34 GiB" in text and "2 rank(s)" in text and "page-locked" in text and "1.00 GiB" in text
+
+
+def test_engine_checks_host_memory_before_allocating(monkeypatch):
+    """With too little host memory available, initialize fails with the check's message before
+    it allocates the offloaded states."""
+    monkeypatch.setattr("zerodp.offload.host.available_host_bytes", lambda: 1 << 20)
+    model = torch.nn.Linear(256, 256)
+    cfg = {"train_batch_size": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    with pytest.raises(HostMemoryError, match="offload needs .* of host memory"):
+        zerodp.initialize(model=model, config=cfg)
+
+
+# -- config -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("zero,key", [
+    ({"stage": 0, "offload_optimizer": {"device": "cpu"}}, "zero_optimization"),
+    ({"stage": 2, "offload_optimizer": {"device": "nvme"}}, "zero_optimization.offload_optimizer"),
+    ({"stage": 2, "offload_optimizer": {"device": "gpu"}}, "zero_optimization.offload_optimizer.device"),
+    ({"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}, "zero_optimization.offload_optimizer"),
+    ({"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "nvme", "nvme_path": "/x"}},
+     "zero_optimization.offload_param"),
+    ({"stage": 2, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}, "zero_optimization"),
+    ({"stage": 3, "offload_param": {"device": "cpu"}}, "zero_optimization"),
+])
+def test_offload_keys_zerodp_does_not_honour_fail_by_name(zero, key):
+    with pytest.raises(ConfigError) as e:
+        load_config({"zero_optimization": zero})
+    assert key in str(e.value)
+
+
+def test_offload_config_keys():
+    cfg = load_config({"zero_optimization": {"stage": 3, "cpu_offload": True}})
+    assert cfg.zero_optimization.optimizer_offload == "cpu"
+    cfg = load_config({"zero_optimization": {"stage": 3, "sub_group_size": 1e6,
+                                             "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp/x",
+                                                                   "buffer_count": 5, "pipeline_read": True},
+                                             "offload_param": {"device": "cpu", "pin_memory": True}},
+                       "aio": {"block_size": 262144, "queue_depth": 4}})
+    z = cfg.zero_optimization
+    assert (z.optimizer_offload, z.param_offload, z.sub_group_size) == ("nvme", "cpu", 1_000_000)
+    assert (cfg.aio.block_size, cfg.aio.queue_depth) == (262144, 4)
+    with pytest.raises(ConfigError, match="aio.use_gds"):
+        load_config({"aio": {"use_gds": True}})
