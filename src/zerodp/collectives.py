@@ -61,8 +61,9 @@ class Handle:
         for w in self._works:
             w.wait()
         self.done = True
-        if self._then is not None:
-            self._then()
+        then, self._then, self._works = self._then, None, []
+        if then is not None:  # dropped first: what it holds (a gradient bucket) may be freed
+            then()
 
 
 class Comm:

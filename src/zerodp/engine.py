@@ -201,13 +201,12 @@ class ZeroEngine(EngineAPI, nn.Module):
         pieces_by_group = [[] for _ in groups]
         for g in self.trainable:  # 16-bit parameters: the optimizer updates fp32 masters
             if self.offload is not None:
-                master = self.offload.make_master(g)
+                pieces = self.offload.make_pieces(g)
             else:
-                master = g.make_master() if self.precision.keeps_master(g.dtype) else g.shard
-            pieces_by_group[g.param_group].extend(g.make_piece_params(master))
+                pieces = g.make_piece_params(g.make_master() if self.precision.keeps_master(g.dtype)
+                                             else g.shard)
+            pieces_by_group[g.param_group].extend(pieces)
         self.optimizer = build_optimizer(config, groups, pieces_by_group, optimizer)
-        if self.offload is not None:
-            self.offload.finish_setup()
         self._plain = PlainLoop(self)  # before the scheduler, which wraps optimizer.step
         _ds_comm.register_engine(self)  # for zerodp.comm.log_summary()
         self.lr_scheduler = build_lr_scheduler(config, self.optimizer, lr_scheduler)
@@ -410,9 +409,9 @@ class ZeroEngine(EngineAPI, nn.Module):
             self._buckets.pop(t, None)
         self._handles.append(collective(buf, async_op=self.overlap_comm, then=then))
         # bound the buckets alive at once: wait for the oldest beyond two in flight
-        pending = [h for h in self._handles if not h.done]
-        if len(pending) > MAX_BUCKETS_IN_FLIGHT:
-            pending[0].wait()
+        self._handles = [h for h in self._handles if not h.done]
+        if len(self._handles) > MAX_BUCKETS_IN_FLIGHT:
+            self._handles.pop(0).wait()
 
     def _finish_reduction(self) -> None:
         """Launch the groups autograd never completed (unused parameters), then wait for all."""

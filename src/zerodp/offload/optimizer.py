@@ -72,22 +72,19 @@ class OptimizerOffload:
 
     # -- set-up ---------------------------------------------------------------------------
 
-    def make_master(self, g: FlatGroup) -> torch.Tensor:
-        """``g``'s fp32 master in host memory (with disk offload, written to its file and freed)."""
+    def make_pieces(self, g: FlatGroup) -> list[torch.nn.Parameter]:
+        """``g``'s fp32 master in host memory and the optimizer's pieces of it; with disk
+        offload the master goes to its file at once, so no more than one is in memory."""
         master = torch.empty(g.shard_numel, dtype=torch.float32)
         master.copy_(g.shard)
         g.master = master
+        pieces = g.make_piece_params(master)
         if self.swap is not None:
             page = PagedTensors(self.swap, f"g{g.index}")
             page.add(master)
             g.master_page = page
-        return master
-
-    def finish_setup(self) -> None:
-        """After the optimizer is built over the masters' pieces: page every tile out."""
-        for g in self.groups:
-            if g.master_page is not None:
-                g.master_page.page_out(wait=True)
+            page.page_out(wait=True)
+        return pieces
 
     # -- the step -------------------------------------------------------------------------
 

@@ -1,0 +1,71 @@
+"""Run under torchrun by ``test_offload.py::test_disk_offload_trains_a_model_several_times_the_cap``.
+
+A stack of bias-free 512 x 512 linear layers (built on the meta device, so no rank ever holds
+the whole model) trains a few steps at stage 3 in bf16 with the optimizer offloaded to disk.
+Rank 0 prints one ``RESULT`` line: its resident memory (RSS) just before the model was built,
+the peak over that while building and training (``VmHWM`` reset there), the ledger and the
+model's total model-state bytes (16 per parameter: bf16 parameter and gradient, fp32 master,
+two fp32 Adam moments).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zerodp
+
+LAYERS, WIDTH = int(sys.argv[2]), 512
+
+
+def rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(field)
+
+
+def main() -> None:
+    nvme = sys.argv[1]
+    zerodp.init_distributed()
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
+           "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "zero_optimization": {"stage": 3, "sub_group_size": WIDTH * WIDTH // 2,
+                                 "stage3_max_live_parameters": 4 * WIDTH * WIDTH,
+                                 "stage3_prefetch_bucket_size": 2 * WIDTH * WIDTH,
+                                 "offload_optimizer": {"device": "nvme", "nvme_path": nvme}}}
+    x = torch.randn(4, WIDTH)
+    dist.barrier()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # peak RSS from here
+    before = rss_kib("VmRSS")
+    with zerodp.zero.Init():
+        model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)])
+    engine, *_ = zerodp.initialize(model=model, config=cfg, unit_classes=(nn.Linear,))
+    for step in range(3):
+        loss = engine(x).float().pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+    peak = rss_kib("VmHWM")
+    mem = engine.memory_breakdown()
+    params = LAYERS * WIDTH * WIDTH
+    if rank == 0:
+        print("RESULT " + json.dumps({"rss_before": before * 1024, "rss_peak": peak * 1024,
+                                      "memory": mem, "params": params, "model_states": 16 * params,
+                                      "world": dist.get_world_size()}), flush=True)
+    engine.destroy()
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
