@@ -95,18 +95,28 @@ def check_correctness(root: Path) -> tuple[list[str], bool]:
     rows, ok = [], True
     for dtype in ("fp32", "bf16"):
         for stage in (1, 2, 3):
-            e = engine_for(config(stage, dtype, "none", ""))
-            train(e, 0, 4)
-            want = masters(e)
-            e.destroy()
+            want = None
+            for _ in range(2):  # twice: is the GPU run deterministic?
+                e = engine_for(config(stage, dtype, "none", ""))
+                train(e, 0, 1)
+                got = [masters(e)]
+                train(e, 1, 4)
+                got.append(masters(e))
+                e.destroy()
+                if want is None:
+                    want = got
+            floor = [max_diff(a, b) for a, b in zip(got, want)]
+            rows.append(f"| {dtype} | {stage} | none, run again | {floor[0]:.3g} | {floor[1]:.3g} |")
             runs = [("cpu", False), ("nvme", False)] + ([("cpu", True)] if stage == 3 else [])
             for off, with_params in runs:
                 e = engine_for(config(stage, dtype, off, str(root / "swap"), with_params, sub_group=20_000))
                 assert e.offload is not None and (off != "cpu" or e.offload._grad_stage[0].is_pinned())
-                train(e, 0, 4)
-                d = max_diff(masters(e), want)
-                ok &= d < 1e-5  # CPU and GPU AdamW kernels round differently
-                rows.append(f"| {dtype} | {stage} | {off}{' + params' if with_params else ''} | {d:.3g} |")
+                train(e, 0, 1)
+                d1 = max_diff(masters(e), want[0])
+                train(e, 1, 4)
+                d = max_diff(masters(e), want[1])
+                ok &= d1 <= 1e-6  # one step: only the rounding of the CPU and GPU AdamW kernels
+                rows.append(f"| {dtype} | {stage} | {off}{' + params' if with_params else ''} | {d1:.3g} | {d:.3g} |")
                 if off == "nvme" and stage == 2:
                     e.save_checkpoint(root / "ckpt", tag="t")
                     saved = params(e)
@@ -114,7 +124,7 @@ def check_correctness(root: Path) -> tuple[list[str], bool]:
                     other.load_checkpoint(root / "ckpt", tag="t")
                     d2 = max_diff(params(other), saved)
                     ok &= d2 == 0.0
-                    rows.append(f"| {dtype} | 2 nvme -> 3 none | checkpoint load | {d2:.3g} |")
+                    rows.append(f"| {dtype} | 2 nvme -> 3 none | checkpoint load | | {d2:.3g} |")
                     other.destroy()
                 e.destroy()
     return rows, ok
@@ -131,6 +141,7 @@ def memory_and_time(root: Path, layers: int) -> list[str]:
     gpt = dict(n_layer=layers, n_head=16, n_embd=1024, block_size=256)
     for off, with_params in (("none", False), ("cpu", False), ("cpu", True), ("nvme", False)):
         torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
         e = engine_for(config(3, "bf16", off, str(root / "swap"), with_params, sub_group=50_000_000),
                        preset="medium", **gpt)
         times = train(e, 0, 6, block=256)
@@ -138,7 +149,9 @@ def memory_and_time(root: Path, layers: int) -> list[str]:
         on_device = mem.get("model_states_on_compute", mem["model_states"])
         n = sum(g.numel for g in e.flat_groups) if off == "none" else None
         _free(e)
-        rows.append(f"| {off}{' + params' if with_params else ''} | {torch.cuda.max_memory_allocated() / 2**30:.2f} | "
+        del e
+        peak = torch.cuda.max_memory_allocated() - before
+        rows.append(f"| {off}{' + params' if with_params else ''} | {peak / 2**30:.2f} | "
                     f"{on_device / 2**30:.2f} | {statistics.median(times[2:]) * 1e3:.0f} |" + (f" ({n / 1e6:.0f}M params)" if n else ""))
     return rows
 
@@ -152,12 +165,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.out or tmp)
         rows, ok = check_correctness(root)
-        print("| dtype | stage | offload | fp32 masters: max abs diff vs no offload |\n|---|---|---|---|")
+        print("| dtype | stage | offload | fp32 masters: max abs diff vs no offload, 1 step | 4 steps |\n|---|---|---|---|---|")
         print("\n".join(rows), flush=True)
         print(f"correctness: {'PASS' if ok else 'FAIL'}", flush=True)
         print(f"\nbf16, stage 3, GPT {args.layers} layers x 1024, micro-batch 4 x 256 tokens, "
               f"{torch.cuda.get_device_name()}")
-        print("| offload | peak device GiB | model states on device GiB | step ms |\n|---|---|---|---|")
+        print("| offload | peak device GiB (over start) | model states on device GiB | step ms |\n|---|---|---|---|")
         print("\n".join(memory_and_time(root, args.layers)), flush=True)
     dist.destroy_process_group()
 

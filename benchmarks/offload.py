@@ -1,8 +1,9 @@
-"""Offload benchmark, part 1: the optimizer step on the CPU.
+"""Offload benchmark: the CPU Adam, step times, the disk tile walk, the largest model under a cap.
 
-A CPU Adam step is memory-bound: per fp32 parameter it reads the parameter, its gradient and the
-two moments and writes the parameter and the moments back, 28 bytes. This measures, on the same
-tensors and in one run (interleaved repetitions, medians):
+``--part adam`` (the optimizer step on the CPU). A CPU Adam step is memory-bound: per fp32
+parameter it reads the parameter, its gradient and the two moments and writes the parameter and
+the moments back, 28 bytes. This measures, on the same tensors and in one run (interleaved
+repetitions, medians):
 
 * this machine's memory bandwidth with a STREAM-like copy (``b.copy_(a)``: 8 bytes per element
   moved) and triad (``a = b + s * c``: 12 bytes), the limit for any Adam kernel;
@@ -12,11 +13,27 @@ tensors and in one run (interleaved repetitions, medians):
 * ``zerodp.ops.adam.DeepSpeedCPUAdam`` and the optimizer zerodp builds from a config's
   ``{"type": "AdamW"}`` block (``zerodp.assemble.build_optimizer``), on the 200 pieces.
 
+``--part steps``: the example GPT's step time with no offload, optimizer offload to host
+memory and to disk, against DeepSpeed's ZeRO-Offload, through ``benchmarks/peers.py`` (same
+model, data, clipping; each system's own CPU Adam), at world size 2.
+
+``--part disk``: the disk's sequential write and read bandwidth (page cache flushed and
+dropped, ``posix_fadvise``), three ways of reading a swap file into memory (threads issuing
+``preadv`` of ``aio.block_size`` blocks, into fresh or reused memory; ``O_DIRECT``; ``mmap``
+then a copy), and zerodp's tile walk (``zerodp.offload.swap``: read tile k+1 while tile k is
+written back) against reading and then writing the same bytes.
+
+``--part cap``: the largest stack of 512 x 512 bf16 layers that trains (two ranks, ``--cap-ranks``) under a
+per-rank memory cap (peak RSS over the process's start, ``MALLOC_MMAP_THRESHOLD_`` set) at stage
+0, stage 3, stage 3 with the optimizer in host memory and stage 3 with it on disk: two sizes
+measured per setting, the largest size under the cap predicted from them, then run to confirm.
+
 Usage::
 
-    python benchmarks/offload.py [--params 25e6] [--threads 2] [--reps 5]
+    python benchmarks/offload.py [--part adam steps disk cap] [--params 25e6] [--threads 2] [--reps 5]
+                                 [--cap-mib 256] [--cap-ranks 2] [--disk-dir DIR]
 
-Prints a table and writes it to ``benchmarks/results/offload.md``.
+Prints tables and writes them to ``benchmarks/results/offload.md``.
 """
 from __future__ import annotations
 
@@ -24,10 +41,14 @@ import argparse
 import os
 import statistics
 import sys
+import tempfile
 import time
 from typing import Callable
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _offload_parts import cap_section, disk_section, step_times  # noqa: E402
 
 BYTES_PER_PARAM = 28  # read p, g, m, v; write p, m, v (fp32)
 PIECES = 200
@@ -121,23 +142,45 @@ def format_rows(rows: list[dict], n: int, threads: int, reps: int) -> str:
     return "\n".join(lines)
 
 
+PARTS = ("adam", "steps", "disk", "cap")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--params", type=float, default=25e6, help="fp32 parameters (default 25e6)")
-    ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1), help="torch threads (default 2)")
-    ap.add_argument("--reps", type=int, default=5, help="repetitions, interleaved (default 5)")
+    ap.add_argument("--part", nargs="+", choices=PARTS, default=list(PARTS), help="what to run (default all)")
+    ap.add_argument("--params", type=float, default=25e6, help="adam: fp32 parameters (default 25e6)")
+    ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1), help="adam: torch threads (default 2)")
+    ap.add_argument("--reps", type=int, default=5, help="adam: repetitions, interleaved (default 5); steps: "
+                                                         "repetitions of each run: 3)")
+    ap.add_argument("--disk-dir", default=None, help="disk, steps, cap: directory on the disk to measure and "
+                                                     "swap to (default: the system's temporary directory)")
+    ap.add_argument("--disk-mib", type=int, default=1024, help="disk: bytes of swap files (default 1024 MiB)")
+    ap.add_argument("--cap-mib", type=int, default=256, help="cap: per-rank memory cap (default 256 MiB)")
+    ap.add_argument("--cap-ranks", type=int, default=2, help="cap: ranks (default 2)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args(argv)
     if args.params < 1000 or args.reps < 1:
         ap.error("--params must be >= 1000 and --reps >= 1")
-    torch.set_num_threads(args.threads)
-    n = int(args.params)
-    text = format_rows(run(n, args.reps), n, args.threads, args.reps)
-    print(text)
+    disk_dir = args.disk_dir or tempfile.gettempdir()
+    sections = []
+    if "adam" in args.part:
+        torch.set_num_threads(args.threads)
+        n = int(args.params)
+        sections.append(format_rows(run(n, args.reps), n, args.threads, args.reps))
+        print(sections[-1], flush=True)
+    if "steps" in args.part:
+        sections.append(step_times(args, disk_dir))
+        print(sections[-1], flush=True)
+    if "disk" in args.part:
+        sections.append(disk_section(disk_dir, args.disk_mib))
+        print(sections[-1], flush=True)
+    if "cap" in args.part:
+        sections.append(cap_section(disk_dir, args.cap_mib, args.cap_ranks))
+        print(sections[-1], flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "offload.md"), "w") as f:
-        f.write(f"`python benchmarks/offload.py --params {args.params:g} --threads {args.threads} --reps {args.reps}`\n\n")
-        f.write(text + "\n")
+        f.write(f"`python benchmarks/offload.py {' '.join(sys.argv[1:] if argv is None else argv)}`\n\n")
+        f.write("\n\n".join(sections) + "\n")
     return 0
 
 

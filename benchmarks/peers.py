@@ -7,6 +7,8 @@
 * ``fsdp2-noreshard``  the same with ``reshard_after_forward=False``
 * ``ds1`` ``ds2`` ``ds3``          DeepSpeed ZeRO stages 1-3
 * ``zero0`` .. ``zero3``           zerodp stages 0-3
+* with ``--systems``, also offload: ``ds2-offload`` ``ds3-offload`` (DeepSpeed ZeRO-Offload),
+  ``zero2-offload`` ``zero3-offload`` ``zero3-nvme`` (zerodp; ``benchmarks/offload.py`` runs them)
 
 Every system trains in fp32 from the same initial weights (same seed) on the same
 micro-batches per rank, with torch's AdamW (same lr, betas, eps, weight decay) and the same
@@ -49,6 +51,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from collections import defaultdict
@@ -81,6 +84,13 @@ SYSTEMS = [
     System("zero1", "zerodp", "zerodp stage 1", ("zerodp",)),
     System("zero2", "zerodp", "zerodp stage 2", ("zerodp",)),
     System("zero3", "zerodp", "zerodp stage 3", ("zerodp",)),
+    # offload (benchmarks/offload.py --part steps runs these): each system's own CPU Adam
+    System("ds2-offload", "deepspeed", "DeepSpeed ZeRO-Offload stage 2 (DeepSpeedCPUAdam)", ("deepspeed",)),
+    System("ds3-offload", "deepspeed", "DeepSpeed ZeRO-Offload stage 3, optimizer and parameters on CPU",
+           ("deepspeed",)),
+    System("zero2-offload", "zerodp", "zerodp stage 2, optimizer offload to CPU (fused AdamW)", ("zerodp",)),
+    System("zero3-offload", "zerodp", "zerodp stage 3, optimizer and parameter offload to CPU", ("zerodp",)),
+    System("zero3-nvme", "zerodp", "zerodp stage 3, optimizer offload to disk (--nvme-path)", ("zerodp",)),
 ]
 BY_NAME = {s.name: s for s in SYSTEMS}
 
@@ -277,11 +287,11 @@ def _build(system: str, model, gpt, args, world: int) -> Trainer:
 
     if system.startswith("ds"):
         import deepspeed
-        stage = int(system[2:])
+        stage, offload = int(system[2]), system.endswith("-offload")
         config = {
             "train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
             "optimizer": {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"]),
-                                                      "torch_adam": True}},
+                                                      "torch_adam": not offload}},
             "gradient_clipping": clip, "steps_per_print": 10**9, "wall_clock_breakdown": False,
             "zero_optimization": {
                 "stage": stage, "overlap_comm": True, "contiguous_gradients": True,
@@ -289,6 +299,10 @@ def _build(system: str, model, gpt, args, world: int) -> Trainer:
                 "allgather_bucket_size": bucket_elems,
                 "stage3_prefetch_bucket_size": bucket_elems, "stage3_max_reuse_distance": 0},
         }
+        if offload:
+            config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+            if stage == 3:
+                config["zero_optimization"]["offload_param"] = {"device": "cpu"}
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 
         def ds_step(x, y):
@@ -300,7 +314,7 @@ def _build(system: str, model, gpt, args, world: int) -> Trainer:
 
     if system.startswith("zero"):
         import zerodp
-        stage = int(system[4:])
+        stage, offload = int(system[4]), system[6:]
         config = {
             "train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
             "gradient_clipping": clip, "steps_per_print": 10**9,
@@ -310,9 +324,19 @@ def _build(system: str, model, gpt, args, world: int) -> Trainer:
                 "stage3_prefetch_bucket_size": bucket_elems, "stage3_max_reuse_distance": 0},
         }
         # the peers' optimizer exactly (torch's default AdamW), not the fused one zerodp builds
-        # from an "optimizer" config block, so the step times compare the engines alone
+        # from an "optimizer" config block, so the step times compare the engines alone; with
+        # offload, each system's own CPU Adam (zerodp's: torch's fused AdamW from the config)
+        optimizer = lambda groups: torch.optim.AdamW(groups, **ADAMW)  # noqa: E731
+        if offload:
+            optimizer = None
+            config["optimizer"] = {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"])}}
+            zc = config["zero_optimization"]
+            zc["offload_optimizer"] = ({"device": "cpu"} if offload == "offload" else
+                                       {"device": "nvme", "nvme_path": args.nvme_path})
+            if offload == "offload" and stage == 3:
+                zc["offload_param"] = {"device": "cpu"}
         engine, _, _, _ = zerodp.initialize(model=model, config=config, unit_classes=(gpt.Block,),
-                                            optimizer=lambda groups: torch.optim.AdamW(groups, **ADAMW))
+                                            optimizer=optimizer)
 
         def zero_step(x, y):
             _, loss = engine(x, y)
@@ -421,7 +445,8 @@ def _launch(system: str, world: int, rep: int, args, log_dir: str) -> Run:
     extra = {"DS_ACCELERATOR": "cpu"} if BY_NAME[system].family == "deepspeed" else {}
     cmd = ["--worker", "--system", system, "--model", args.model, "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--micro-batch", str(args.micro_batch),
-           "--bucket-mb", str(args.bucket_mb), "--clip", str(args.clip), "--seed", str(args.seed)]
+           "--bucket-mb", str(args.bucket_mb), "--clip", str(args.clip), "--seed", str(args.seed),
+           "--nvme-path", args.nvme_path or tempfile.gettempdir()]
     launch = _common.torchrun(__file__, world, cmd, _common.worker_env(world, extra), timeout=args.timeout)
     os.makedirs(log_dir, exist_ok=True)
     with open(os.path.join(log_dir, f"w{world}-{system}-rep{rep}.log"), "w") as f:
@@ -608,8 +633,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="world sizes (default 2 4)")
     ap.add_argument("--reps", type=int, default=3, help="repetitions of every run, interleaved (default 3)")
-    ap.add_argument("--systems", nargs="+", default=names, choices=names, metavar="SYSTEM",
-                    help=f"systems to run, in this order (default all: {' '.join(names)})")
+    default = [n for n in names if not n.endswith(("-offload", "-nvme"))]
+    ap.add_argument("--systems", nargs="+", default=default, choices=names, metavar="SYSTEM",
+                    help=f"systems to run, in this order (default: {' '.join(default)}; also "
+                         f"{' '.join(n for n in names if n not in default)})")
     ap.add_argument("--model", default="medium", choices=["tiny", "small", "medium"], help="example GPT size (default medium)")
     ap.add_argument("--steps", type=int, default=4, help="timed optimizer steps per run (default 4)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
@@ -619,6 +646,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--clip", type=float, default=1.0,
                     help="global gradient-norm clipping for every system; 0 disables (default 1.0)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--nvme-path", default=None,
+                    help="directory for zero3-nvme's swap files (default: the system's temporary directory)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds before a run is killed (default 900)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
                     help="output folder (default benchmarks/results/)")

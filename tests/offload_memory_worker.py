@@ -1,7 +1,11 @@
-"""Run under torchrun by ``test_offload.py::test_disk_offload_trains_a_model_several_times_the_cap``.
+"""Run under torchrun by ``test_offload.py::test_disk_offload_trains_a_model_several_times_the_cap``
+and by ``benchmarks/offload.py --part cap``::
 
-A stack of bias-free 512 x 512 linear layers (built on the meta device, so no rank ever holds
-the whole model) trains a few steps at stage 3 in bf16 with the optimizer offloaded to disk.
+    offload_memory_worker.py NVME_DIR LAYERS [disk|cpu|stage3|stage0]
+
+A stack of bias-free 512 x 512 linear layers trains a few steps in bf16: at stage 3 (built on the
+meta device, so no rank ever holds the whole model) with the optimizer offloaded to disk (the
+default), to host memory, or not at all; or at stage 0 (built whole).
 Rank 0 prints one ``RESULT`` line: its resident memory (RSS) just before the model was built,
 the peak over that while building and training (``VmHWM`` reset there), the ledger and the
 model's total model-state bytes (16 per parameter: bf16 parameter and gradient, fp32 master,
@@ -20,6 +24,7 @@ from torch import nn
 import zerodp
 
 LAYERS, WIDTH = int(sys.argv[2]), 512
+SETTING = sys.argv[3] if len(sys.argv) > 3 else "disk"
 
 
 def rss_kib(field: str) -> int:
@@ -35,18 +40,23 @@ def main() -> None:
     zerodp.init_distributed()
     torch.set_num_threads(1)
     rank = dist.get_rank()
+    zero = {"stage": 3, "sub_group_size": WIDTH * WIDTH // 2, "reduce_bucket_size": 4 * WIDTH * WIDTH,
+            "stage3_max_live_parameters": 4 * WIDTH * WIDTH, "stage3_prefetch_bucket_size": 2 * WIDTH * WIDTH}
+    if SETTING == "disk":
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme}
+    elif SETTING == "cpu":
+        zero["offload_optimizer"] = {"device": "cpu"}
+    elif SETTING == "stage0":
+        zero["stage"] = 0
     cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
            "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-           "zero_optimization": {"stage": 3, "sub_group_size": WIDTH * WIDTH // 2,
-                                 "stage3_max_live_parameters": 4 * WIDTH * WIDTH,
-                                 "stage3_prefetch_bucket_size": 2 * WIDTH * WIDTH,
-                                 "offload_optimizer": {"device": "nvme", "nvme_path": nvme}}}
+           "zero_optimization": zero}
     x = torch.randn(4, WIDTH)
     dist.barrier()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # peak RSS from here
     before = rss_kib("VmRSS")
-    with zerodp.zero.Init():
+    with zerodp.zero.Init(enabled=zero["stage"] == 3):
         model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)])
     engine, *_ = zerodp.initialize(model=model, config=cfg, unit_classes=(nn.Linear,))
     for step in range(3):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
 import torch
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "offload.py"
@@ -38,9 +39,31 @@ def test_every_adam_case_updates_like_torch_adamw():
 
 def test_table(tmp_path, capsys):
     mod = _module()
-    assert mod.main(["--params", "20000", "--reps", "1", "--threads", "1", "--out", str(tmp_path)]) == 0
+    assert mod.main(["--part", "adam", "--params", "20000", "--reps", "1", "--threads", "1",
+                     "--out", str(tmp_path)]) == 0
     text = (tmp_path / "offload.md").read_text()
     assert "| memory: b.copy_(a) |" in text and "zerodp, config" in text and "100%" in text
     rows = [line for line in text.splitlines() if line.startswith("| ") and "ms" not in line]
     assert len(rows) == 10
     assert "G params/s" in capsys.readouterr().out
+
+
+def test_disk_part(tmp_path):
+    """The disk section measures every read mechanism and the tile walk (a small size)."""
+    mod = _module()
+    assert mod.main(["--part", "disk", "--disk-mib", "128", "--disk-dir", str(tmp_path),
+                     "--out", str(tmp_path / "out")]) == 0
+    text = (tmp_path / "out" / "offload.md").read_text()
+    for what in ("sequential write", "sequential read", "into fresh memory", "into reused memory",
+                 "O_DIRECT", "mmap", "Tile walk"):
+        assert what in text
+    assert "nan" not in text.split("Tile walk")[0].replace("failed", "")
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("zerodp-rank")]  # swap dir removed
+
+
+@pytest.mark.slow
+def test_steps_and_cap_parts(tmp_path):
+    mod = _module()
+    assert mod.main(["--part", "steps", "cap", "--disk-dir", str(tmp_path), "--out", str(tmp_path / "out")]) == 0
+    text = (tmp_path / "out" / "offload.md").read_text()
+    assert "zero3-nvme" in text and "ds3-offload" in text and "stage 3 + optimizer on disk" in text

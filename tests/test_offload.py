@@ -170,3 +170,25 @@ def test_disk_offload_trains_a_model_several_times_the_cap(tmp_path):
     assert ledger <= cap, f"ledger {ledger / 2**20:.1f} MiB > cap {cap / 2**20:.1f} MiB"
     assert rss <= cap, f"peak RSS {rss / 2**20:.1f} MiB over start > cap {cap / 2**20:.1f} MiB"
     assert mem["offload_tiles_peak"] <= 3 * 12 * 512 * 512 // 2  # three tiles of master + Adam
+
+
+@pytest.mark.parametrize("flags,where", [(["--preset", "zero3_offload"], "model_states_on_host"),
+                                         (["--preset", "zero2", "--nvme-path", None], "model_states_on_disk")])
+def test_train_with_offload(tmp_path, capsys, flags, where):
+    """``zerodp train --preset zero3_offload`` and ``--nvme-path DIR`` train, and the summary's
+    memory table puts the optimizer's bytes on the host or the disk."""
+    import json
+    from zerodp import cli
+    flags = [str(tmp_path / "swap") if f is None else f for f in flags]
+    code = cli.main(["train", "--nproc", "1", "--model", "tiny", "--steps", "2", "--micro-batch", "2",
+                     "--eval-every", "0", "--max-bytes", "20000", "--out", str(tmp_path), *flags])
+    assert code == 0, capsys.readouterr().err
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    m = summary["memory_bytes"][0]
+    optimizer = m["master_weights"] + m["optimizer_states"]
+    if where == "model_states_on_host":  # stage 3: the parameter shards are on the host too
+        assert m[where] == m["parameters"] + optimizer and m["model_states_on_compute"] == m["gradients"]
+    else:
+        assert m[where] == optimizer and m["model_states_on_compute"] == m["parameters"] + m["gradients"]
+    assert optimizer > 0
+    assert len(summary["losses"]) == 2
