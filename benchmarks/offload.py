@@ -150,8 +150,8 @@ def main(argv=None) -> int:
     ap.add_argument("--part", nargs="+", choices=PARTS, default=list(PARTS), help="what to run (default all)")
     ap.add_argument("--params", type=float, default=25e6, help="adam: fp32 parameters (default 25e6)")
     ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1), help="adam: torch threads (default 2)")
-    ap.add_argument("--reps", type=int, default=5, help="adam: repetitions, interleaved (default 5); steps: "
-                                                         "repetitions of each run: 3)")
+    ap.add_argument("--reps", type=int, default=5, help="adam: repetitions, interleaved (default 5); the "
+                                                         "steps part runs each system 3 times")
     ap.add_argument("--disk-dir", default=None, help="disk, steps, cap: directory on the disk to measure and "
                                                      "swap to (default: the system's temporary directory)")
     ap.add_argument("--disk-mib", type=int, default=1024, help="disk: bytes of swap files (default 1024 MiB)")
