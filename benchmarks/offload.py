@@ -25,7 +25,8 @@ written back) against reading and then writing the same bytes.
 
 ``--part cap``: the largest stack of 512 x 512 bf16 layers that trains (two ranks, ``--cap-ranks``) under a
 per-rank memory cap (peak RSS over the process's start, ``MALLOC_MMAP_THRESHOLD_`` set) at stage
-0, stage 3, stage 3 with the optimizer in host memory and stage 3 with it on disk: two sizes
+0, stage 3, stage 3 with the optimizer in host memory and stage 3 with it (and the parameter
+shards) on disk: two sizes
 measured per setting, the largest size under the cap predicted from them, then run to confirm.
 
 Usage::

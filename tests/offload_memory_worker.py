@@ -1,11 +1,12 @@
 """Run under torchrun by ``test_offload.py::test_disk_offload_trains_a_model_several_times_the_cap``
 and by ``benchmarks/offload.py --part cap``::
 
-    offload_memory_worker.py NVME_DIR LAYERS [disk|cpu|stage3|stage0]
+    offload_memory_worker.py NVME_DIR LAYERS [disk|disk+params|cpu|stage3|stage0]
 
 A stack of bias-free 512 x 512 linear layers trains a few steps in bf16: at stage 3 (built on the
 meta device, so no rank ever holds the whole model) with the optimizer offloaded to disk (the
-default), to host memory, or not at all; or at stage 0 (built whole).
+default; with ``disk+params`` the parameter shards too), to host memory, or not at all; or at
+stage 0 (built whole).
 Rank 0 prints one ``RESULT`` line: its resident memory (RSS) just before the model was built,
 the peak over that while building and training (``VmHWM`` reset there), the ledger and the
 model's total model-state bytes (16 per parameter: bf16 parameter and gradient, fp32 master,
@@ -42,8 +43,10 @@ def main() -> None:
     rank = dist.get_rank()
     zero = {"stage": 3, "sub_group_size": WIDTH * WIDTH // 2, "reduce_bucket_size": 4 * WIDTH * WIDTH,
             "stage3_max_live_parameters": 4 * WIDTH * WIDTH, "stage3_prefetch_bucket_size": 2 * WIDTH * WIDTH}
-    if SETTING == "disk":
+    if SETTING.startswith("disk"):
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme}
+        if SETTING == "disk+params":
+            zero["offload_param"] = {"device": "nvme", "nvme_path": nvme}
     elif SETTING == "cpu":
         zero["offload_optimizer"] = {"device": "cpu"}
     elif SETTING == "stage0":

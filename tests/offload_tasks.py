@@ -14,7 +14,8 @@ from checkpoint_tasks import make_engine, snapshot, train_steps
 
 def zero_block(offload: str | None, nvme_dir: str | None = None, params: bool = False,
                sub_group_size: int | None = None) -> dict:
-    """The ``zero_optimization`` keys of an offload setting: None, "cpu" or "nvme"."""
+    """The ``zero_optimization`` keys of an offload setting: None, "cpu" or "nvme" (with
+    ``params``, stage 3's parameter shards go to the same place)."""
     if offload is None:
         return {}
     opt = {"device": offload, "pin_memory": True}
@@ -22,7 +23,7 @@ def zero_block(offload: str | None, nvme_dir: str | None = None, params: bool = 
         opt["nvme_path"] = nvme_dir
     out = {"offload_optimizer": opt}
     if params:
-        out["offload_param"] = {"device": "cpu", "pin_memory": True}
+        out["offload_param"] = dict(opt)
     if sub_group_size:
         out["sub_group_size"] = sub_group_size
     return out
@@ -30,7 +31,9 @@ def zero_block(offload: str | None, nvme_dir: str | None = None, params: bool = 
 
 def _swap_dirs(engine) -> list[str]:
     off = engine.offload
-    return [] if off is None or off.swap is None else [str(off.swap.dir)]
+    if off is None:
+        return []
+    return sorted({str(s.dir) for s in (off.swap, off.param_swap) if s is not None})
 
 
 def train_task(group, stage: int, dtype: str, steps: int, zero: dict, save_dir: str | None = None,

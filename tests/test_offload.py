@@ -36,6 +36,7 @@ def test_offload_gives_the_numbers_of_no_offload(pool, tmp_path, stage, dtype):
     runs = {"cpu": ot.zero_block("cpu"), "nvme": ot.zero_block("nvme", str(tmp_path), sub_group_size=40)}
     if stage == 3:
         runs["cpu+params"] = ot.zero_block("cpu", params=True)
+        runs["nvme+params"] = ot.zero_block("nvme", str(tmp_path), params=True, sub_group_size=40)
     for name, zero in runs.items():
         out = pool.run(ot.train_task, 2, stage, dtype, 2 * K, zero)
         for r, p in zip(out, plain):
@@ -46,9 +47,10 @@ def test_offload_gives_the_numbers_of_no_offload(pool, tmp_path, stage, dtype):
                 assert v.dtype == p["params"][n].dtype
                 if n in r["masters"]:  # the parameters are the rounded masters
                     assert torch.equal(v, r["masters"][n].to(v.dtype)), n
-        if name == "nvme":
+        if name.startswith("nvme"):
             files = out[0]["swap_files"]
             assert files and all(f.endswith(".swp") for f in files)
+            assert any(f.startswith("p") for f in files) == (name == "nvme+params")  # parameter shards
             assert not any(r["swap_left"] for r in out), "the swap directory outlived the engine"
 
 
@@ -56,6 +58,7 @@ MOVES = [  # (save world, stage, offload) -> (load world, stage, offload)
     ((2, 3, "nvme"), (3, 2, None)),
     ((3, 1, None), (2, 3, "cpu")),
     ((2, 2, "cpu"), (4, 1, "nvme")),
+    ((3, 2, None), (2, 3, "nvme+params")),
 ]
 
 
@@ -66,10 +69,11 @@ def test_checkpoints_move_between_offload_and_none_at_another_world_size(pool, t
     stage: the loaded masters are the saved ones exactly, and K more steps match one process."""
     (sw, ss, so), (lw, ls, lo) = save, load
     ckpt = tmp_path / "ckpt"
-    saved = pool.run(ot.train_task, sw, ss, dtype, K, ot.zero_block(so, str(tmp_path / "swap_a")),
-                     str(ckpt))[0]
-    out = pool.run(ot.resume_task, lw, ls, dtype, ot.zero_block(lo, str(tmp_path / "swap_b")),
-                   str(ckpt), K, 2 * K)
+    def block(off, where):
+        kind = off.split("+")[0] if off else None
+        return ot.zero_block(kind, str(tmp_path / where), params=bool(off and off.endswith("+params")))
+    saved = pool.run(ot.train_task, sw, ss, dtype, K, block(so, "swap_a"), str(ckpt))[0]
+    out = pool.run(ot.resume_task, lw, ls, dtype, block(lo, "swap_b"), str(ckpt), K, 2 * K)
     ref = ct.reference(dtype, [(sw, K), (lw, K)])
     for r in out:
         assert_close(r["loaded"]["masters"], saved["masters"], 0.0, "loaded")
@@ -115,7 +119,7 @@ def test_engine_checks_host_memory_before_allocating(monkeypatch):
     ({"stage": 2, "offload_optimizer": {"device": "nvme"}}, "zero_optimization.offload_optimizer"),
     ({"stage": 2, "offload_optimizer": {"device": "gpu"}}, "zero_optimization.offload_optimizer.device"),
     ({"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}, "zero_optimization.offload_optimizer"),
-    ({"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "nvme", "nvme_path": "/x"}},
+    ({"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "nvme"}},
      "zero_optimization.offload_param"),
     ({"stage": 2, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}, "zero_optimization"),
     ({"stage": 3, "offload_param": {"device": "cpu"}}, "zero_optimization"),

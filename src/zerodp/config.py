@@ -119,19 +119,13 @@ class OffloadOptimizerConfig(_OffloadBase):
 
 
 class OffloadParamConfig(_OffloadBase):
-    """``offload_param`` (stage 3): this rank's parameter shards live in host memory; each unit's
-    shards go to the compute device when the unit is gathered."""
+    """``offload_param`` (stage 3): this rank's parameter shards live in host memory (``cpu``) or
+    in files (``nvme``); each unit's shards go to the compute device when the unit is gathered."""
 
     buffer_count: _Positive = Field(5, description="Accepted for compatibility.")
     buffer_size: _Positive = Field(100_000_000, description="Accepted for compatibility.")
     max_in_cpu: _Positive = Field(1_000_000_000, description="Accepted for compatibility.")
 
-    @model_validator(mode="after")
-    def _no_nvme_yet(self):
-        if self.device == "nvme":
-            raise ValueError('allowed: "none" or "cpu"; parameter shards on disk are not available '
-                             "yet (optimizer states on disk are: offload_optimizer.device \"nvme\")")
-        return self
 
 
 OffloadConfig = OffloadOptimizerConfig  # the name earlier versions exported
@@ -204,7 +198,7 @@ class ZeroConfig(_Section):
 
     @property
     def param_offload(self) -> str:
-        """``"none"`` or ``"cpu"``."""
+        """``"none"``, ``"cpu"`` or ``"nvme"``."""
         return "none" if self.offload_param is None else self.offload_param.device
 
     @property

@@ -196,7 +196,7 @@ class ZeroEngine(EngineAPI, nn.Module):
         # offload: fp32 masters and optimizer states on the host or disk, the step there (offload/)
         self.offload: Optional[OptimizerOffload] = None
         if self.zero_config.optimizer_offload != "none":
-            self.offload = OptimizerOffload(self.zero_config, config.aio, self.trainable, self.device,
+            self.offload = OptimizerOffload(self.zero_config, config.aio, self.flat_groups, self.device,
                                             self.dp_rank)
         pieces_by_group = [[] for _ in groups]
         for g in self.trainable:  # 16-bit parameters: the optimizer updates fp32 masters
@@ -254,9 +254,9 @@ class ZeroEngine(EngineAPI, nn.Module):
         if meta:
             initialize_meta_units(self.units, self.config.seed or 0, self.device, param_init_fn,
                                   self.prefetcher)
-        if zc.param_offload == "cpu":  # this rank's shards in host memory, copied in per gather
+        if zc.param_offload != "none":  # this rank's shards in host memory (or files), copied in per gather
             for g in self.flat_groups:
-                g.offload_shard(zc.offload_param.pin_memory)
+                g.offload_shard(zc.offload_param.pin_memory and zc.param_offload == "cpu")
 
     # -- forward / backward -------------------------------------------------------------
 

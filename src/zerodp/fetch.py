@@ -473,7 +473,8 @@ def GatheredParameters(params: Any, modifier_rank: Optional[int] = None, enabled
                 with torch.no_grad():
                     comm.broadcast(g.full, src_rank=modifier_rank)
                     if sharded:
-                        g._own_shard.copy_(g.shard_of(g.full))
+                        with g.swapped_in():
+                            g._own_shard.copy_(g.shard_of(g.full))
                     g.refresh_master()
         for g in gathered_here:
             g.release()

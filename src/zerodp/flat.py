@@ -111,6 +111,7 @@ class FlatGroup:
         self.grad_shard: Optional[torch.Tensor] = None
         self.master: Optional[torch.Tensor] = None  # fp32 copy of the shard (mixed precision)
         self.master_page: Optional[Any] = None  # disk offload: the file master and states live in
+        self.shard_page: Optional[Any] = None   # stage-3 parameter offload to disk: the shard's file
         self.piece_params: list[nn.Parameter] = []
 
     def _adopt_meta_params(self) -> None:
@@ -210,7 +211,13 @@ class FlatGroup:
                 self.wait_gathered()
             return
         self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
-        self.shard_of(self.full).copy_(self._own_shard, non_blocking=True)  # from the host too
+        page = self.shard_page
+        if page is not None and not page.resident:  # on disk: read, copy, drop
+            page.page_in()
+            self.shard_of(self.full).copy_(self._own_shard)
+            page.page_out(write=False)
+        else:
+            self.shard_of(self.full).copy_(self._own_shard, non_blocking=True)  # from the host too
         self._pending = comm.all_gather(self.full, async_op=async_op)
 
     def wait_gathered(self) -> None:
@@ -293,19 +300,23 @@ class FlatGroup:
 
     @contextlib.contextmanager
     def swapped_in(self):
-        """With disk offload, the master and optimizer states are in memory inside this context
-        (read from their file, written back after); otherwise nothing happens."""
-        page = self.master_page
-        if page is None or page.resident:
-            if page is not None:
-                page.wait()
-            yield
-            return
-        page.page_in()
+        """With disk offload, the master and optimizer states (and with parameter offload to
+        disk, the parameter shard) are in memory inside this context: read from their files,
+        written back after. Otherwise nothing happens."""
+        paged_in = []
         try:
+            for page in (self.master_page, self.shard_page):
+                if page is None:
+                    continue
+                if page.resident:
+                    page.wait()
+                else:
+                    page.page_in()
+                    paged_in.append(page)
             yield
         finally:
-            page.page_out(wait=True)
+            for page in paged_in:
+                page.page_out(wait=True)
 
     # -- optimizer pieces ---------------------------------------------------------------
 

@@ -79,7 +79,7 @@ def _placement(engine: "ZeroEngine", out: dict[str, int], off) -> dict[str, int]
     offload's host transfer buffers, and (disk offload) the most bytes of tiles read into host
     memory at once so far."""
     where = {"compute": 0, "host": 0, "disk": 0}
-    params_at = "host" if engine.zero_config.param_offload == "cpu" else "compute"
+    params_at = {"cpu": "host", "nvme": "disk"}.get(engine.zero_config.param_offload, "compute")
     where[params_at] += out["parameters"]
     where["compute"] += out["gradients"]
     where[off.location] += out["master_weights"] + out["optimizer_states"]

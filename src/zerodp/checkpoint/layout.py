@@ -137,11 +137,12 @@ class RankPlan:
             self._collect_keys(part)
             self.parts.append(part)
             best = g.master if g.master is not None else g.shard
-            if g.master_page is None:
+            if g.master_page is None and g.shard_page is None:
                 self._add(f"g{g.index}.value", best[lo - g.shard_lo:hi - g.shard_lo])
             else:  # disk offload: read from the tile's file while written
                 self._add_parts(f"g{g.index}.value", best.dtype, hi - lo,
-                                lambda g=g, a=lo - g.shard_lo, b=hi - g.shard_lo: _swapped_in(g, lambda: [g.master[a:b]]))
+                                lambda g=g, a=lo - g.shard_lo, b=hi - g.shard_lo: _swapped_in(
+                                    g, lambda: [(g.master if g.master is not None else g.shard)[a:b]]))
             for key in part.keys:
                 self._add_parts(f"g{g.index}.state.{key}", part.state_dtypes[key], hi - lo,
                                 lambda part=part, key=key: _swapped_in(part.group, lambda: self._state_parts(part, key)))

@@ -23,6 +23,7 @@ synchronous copies within host memory.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Optional
 
 import torch
@@ -42,13 +43,13 @@ STATES_PER_ELEMENT = 2
 class OptimizerOffload:
     """The offloaded masters, optimizer states and step of one engine's trainable groups."""
 
-    def __init__(self, zero_config, aio_config, groups: list[FlatGroup], device: torch.device,
+    def __init__(self, zero_config, aio_config, flat_groups: list[FlatGroup], device: torch.device,
                  rank: int) -> None:
         oc = zero_config.offload_optimizer
         self.kind: str = oc.device                      # "cpu" or "nvme"
         self.device = device
         self.pin = bool(oc.pin_memory) and device.type == "cuda"
-        self.groups = groups
+        groups = self.groups = [g for g in flat_groups if g.trainable]
         largest = max((g.shard_numel for g in groups), default=0)
         grad_bytes = max((g.grad_shard.element_size() for g in groups), default=4)
         param_bytes = max((g.full.element_size() for g in groups), default=4)
@@ -63,9 +64,21 @@ class OptimizerOffload:
         self._param_stage = [host_empty(largest * param_bytes, torch.uint8, device, self.pin) for _ in range(2)]
         self._param_sent: list[Optional[CopiesDone]] = [None, None]
         self._grad32 = torch.empty(largest if grad_bytes != 4 else 0, dtype=torch.float32)
-        self.swap: Optional[SwapDir] = None
+        self.flat_groups = flat_groups
+        self.swap: Optional[SwapDir] = None        # masters and states (device "nvme")
+        self.param_swap: Optional[SwapDir] = None  # stage-3 parameter shards (offload_param "nvme")
         if self.kind == "nvme":
             self.swap = SwapDir(oc.nvme_path, rank, aio_config.block_size, aio_config.queue_depth)
+        if zero_config.param_offload == "nvme":  # every shard to its file now; read when its unit is gathered
+            path = zero_config.offload_param.nvme_path
+            same = self.swap is not None and os.path.realpath(path) == os.path.realpath(oc.nvme_path)
+            self.param_swap = self.swap if same else SwapDir(path, rank, aio_config.block_size,
+                                                             aio_config.queue_depth)
+            for g in flat_groups:
+                page = PagedTensors(self.param_swap, f"p{g.index}")
+                page.add(g.shard)
+                g.shard_page = page
+                page.page_out(wait=True)
         self._state_flats: dict[int, dict[str, torch.Tensor]] = {g.index: {} for g in groups}
         self.peak_resident_bytes = 0
         self.location = "disk" if self.kind == "nvme" else "host"
@@ -76,10 +89,11 @@ class OptimizerOffload:
         """``g``'s fp32 master in host memory and the optimizer's pieces of it; with disk
         offload the master goes to its file at once, so no more than one is in memory."""
         master = torch.empty(g.shard_numel, dtype=torch.float32)
-        master.copy_(g.shard)
+        with g.swapped_in():  # parameter shards on disk: read for this
+            master.copy_(g.shard)
         g.master = master
         pieces = g.make_piece_params(master)
-        if self.swap is not None:
+        if self.kind == "nvme":
             page = PagedTensors(self.swap, f"g{g.index}")
             page.add(master)
             g.master_page = page
@@ -129,8 +143,9 @@ class OptimizerOffload:
                 grp["params"] = params
             self._wait_sent()
             for g in groups:
-                if g.master_page is not None:
-                    g.master_page.wait()
+                for page in (g.master_page, g.shard_page):
+                    if page is not None:
+                        page.wait()
 
     def _note_resident(self, k: int) -> None:
         """Disk offload: track the most bytes of tiles in memory at once (the one being written
@@ -155,7 +170,13 @@ class OptimizerOffload:
             self._param_sent[slot].wait()  # the buffer's previous copy (tile k - 2) is done
         out = _as(self._param_stage[slot], g.shard.dtype, g.shard_numel)
         out.copy_(g.master)
-        g.shard.copy_(out, non_blocking=self.pin)
+        page = g.shard_page
+        if page is not None:  # parameter shard on disk: overwritten whole, then written back
+            page.page_in(read=False)
+            g.shard.copy_(out)
+            page.page_out()
+        else:
+            g.shard.copy_(out, non_blocking=self.pin)
         self._param_sent[slot] = CopiesDone(self.device)
 
     def _wait_sent(self) -> None:
@@ -203,11 +224,12 @@ class OptimizerOffload:
         return sum(b.numel() * b.element_size() for b in bufs)
 
     def close(self) -> None:
-        if self.swap is not None:
-            for g in self.groups:
-                if g.master_page is not None:
-                    g.master_page.wait()
-            self.swap.close()
+        for g in self.flat_groups:
+            for page in (g.master_page, g.shard_page):
+                if page is not None:
+                    page.wait()
+        for swap in {id(s): s for s in (self.swap, self.param_swap) if s is not None}.values():
+            swap.close()
 
 
 def _as(buf: torch.Tensor, dtype: torch.dtype, numel: int) -> torch.Tensor:

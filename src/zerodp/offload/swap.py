@@ -147,36 +147,44 @@ class PagedTensors:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
-    def page_out(self, wait: bool = False) -> None:
-        """Write the tensors to the file and free their memory (in the background unless ``wait``)."""
+    def page_out(self, wait: bool = False, write: bool = True) -> None:
+        """Write the tensors to the file and free their memory (in the background unless
+        ``wait``); ``write=False`` frees them only (the file already holds what they hold)."""
         self.wait()
         if not self.resident:
             return
         self.resident = False
-        self._busy = self.swap.tiles.submit(self._write_and_free) if not wait else None
-        if wait:
-            self._write_and_free()
+        if wait or not write:
+            self._write_and_free(write)
+        else:
+            self._busy = self.swap.tiles.submit(self._write_and_free, write)
 
-    def _write_and_free(self) -> None:
-        self.swap.transfer(self.fd, self.tensors, self.offsets, write=True)
+    def _write_and_free(self, write: bool = True) -> None:
+        if write:
+            self.swap.transfer(self.fd, self.tensors, self.offsets, write=True)
         for t in self.tensors:
             t.untyped_storage().resize_(0)
 
-    def page_in(self, wait: bool = True) -> None:
+    def page_in(self, wait: bool = True, read: bool = True) -> None:
         """Allocate the tensors and read them back (in the background unless ``wait``; a later
-        ``wait()`` or ``page_in()`` finishes it)."""
+        ``wait()`` or ``page_in()`` finishes it); ``read=False`` only allocates them, for a
+        caller that overwrites them whole."""
         self.wait()
         if self.resident:
             return
         self.resident = True
+        if not read:
+            self._allocate_and_read(read=False)
+            return
         self._busy = self.swap.tiles.submit(self._allocate_and_read)
         if wait:
             self.wait()
 
-    def _allocate_and_read(self) -> None:
+    def _allocate_and_read(self, read: bool = True) -> None:
         for t in self.tensors:
             t.untyped_storage().resize_(t.numel() * t.element_size())
-        self.swap.transfer(self.fd, self.tensors, self.offsets, write=False)
+        if read:
+            self.swap.transfer(self.fd, self.tensors, self.offsets, write=False)
 
     def wait(self) -> None:
         """Finish a page-in or page-out in flight (raising its error, if any)."""
