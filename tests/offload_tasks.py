@@ -33,7 +33,8 @@ def _swap_dirs(engine) -> list[str]:
     off = engine.offload
     if off is None:
         return []
-    return sorted({str(s.dir) for s in (off.swap, off.param_swap) if s is not None})
+    swaps = (off.swap, engine.param_offload.swap if engine.param_offload is not None else None)
+    return sorted({str(s.dir) for s in swaps if s is not None})
 
 
 def train_task(group, stage: int, dtype: str, steps: int, zero: dict, save_dir: str | None = None,
@@ -48,7 +49,7 @@ def train_task(group, stage: int, dtype: str, steps: int, zero: dict, save_dir: 
     out["norms"] = norms
     out["memory"] = engine.memory_breakdown()
     swap = _swap_dirs(engine)
-    out["swap_files"] = sorted(os.listdir(swap[0])) if swap else []
+    out["swap_files"] = sorted(f for d in swap for f in os.listdir(d))
     engine.destroy()
     out["swap_left"] = [d for d in swap if os.path.exists(d)]
     return out

@@ -147,12 +147,14 @@ def test_offload_config_keys():
 
 # -- memory under a cap ---------------------------------------------------------------------------
 
-def test_disk_offload_trains_a_model_several_times_the_cap(tmp_path):
+@pytest.mark.parametrize("setting,times", [("disk", 5), ("disk+params", 8)])
+def test_disk_offload_trains_a_model_several_times_the_cap(tmp_path, setting, times):
     """128 bias-free 512 x 512 layers (33.5M parameters; model states 16 bytes each, 512 MiB)
     train at stage 3 in bf16 on two ranks with the optimizer on disk, under a per-rank cap of a
-    fifth of that: the peak resident memory over the process's start (glibc returning freed
-    memory: MALLOC_MMAP_THRESHOLD_) and the ledger's resident bytes both stay under the cap,
-    while stage 3 alone would hold twice the cap per rank."""
+    fifth of that (an eighth with the parameter shards on disk too): the peak resident memory
+    over the process's start (glibc returning freed memory: MALLOC_MMAP_THRESHOLD_) and the
+    ledger's resident bytes both stay under the cap, while stage 3 alone would hold several
+    times the cap per rank."""
     import json
     import os
     import subprocess
@@ -160,17 +162,19 @@ def test_disk_offload_trains_a_model_several_times_the_cap(tmp_path):
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           os.path.join(here, "offload_memory_worker.py"), str(tmp_path / "swap"), "128"],
+                           os.path.join(here, "offload_memory_worker.py"), str(tmp_path / "swap"), "128",
+                           setting],
                           env=env, capture_output=True, text=True, timeout=600)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert lines, f"no result (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     r = json.loads(lines[-1][len("RESULT "):])
-    mem, cap = r["memory"], r["model_states"] // 5
+    mem, cap = r["memory"], r["model_states"] // times
     rss = r["rss_peak"] - r["rss_before"]
     ledger = (mem["model_states_on_compute"] + mem["model_states_on_host"] + mem["offload_buffers"]
               + mem["offload_tiles_peak"] + mem["gathered_parameters_peak"] + mem["gradient_buckets_peak"])
     assert mem["model_states"] > 2 * cap  # this rank's share at stage 3 without offload
-    assert mem["model_states_on_disk"] == mem["master_weights"] + mem["optimizer_states"] > cap
+    on_disk = mem["master_weights"] + mem["optimizer_states"] + (mem["parameters"] if "params" in setting else 0)
+    assert mem["model_states_on_disk"] == on_disk > cap
     assert ledger <= cap, f"ledger {ledger / 2**20:.1f} MiB > cap {cap / 2**20:.1f} MiB"
     assert rss <= cap, f"peak RSS {rss / 2**20:.1f} MiB over start > cap {cap / 2**20:.1f} MiB"
     assert mem["offload_tiles_peak"] <= 3 * 12 * 512 * 512 // 2  # three tiles of master + Adam

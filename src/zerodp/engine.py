@@ -48,7 +48,7 @@ from .assemble import (adopt_replaced_params, broadcast_initial_state, build_fla
 from .fetch import (Prefetcher, Unit, external_users, initialize_meta_units, install_external_hooks,
                     install_unit_hooks, plan_units, register_params)
 from .monitor import monitor_from_config
-from .offload import OptimizerOffload, group_cap
+from .offload import OptimizerOffload, ParamOffload, group_cap
 from .plain_loop import PlainLoop
 from .precision import LossScaler, PrecisionPolicy
 from .stages import StagePolicy, policy_for
@@ -184,6 +184,7 @@ class ZeroEngine(EngineAPI, nn.Module):
         broadcast_initial_state(self.comm, self.base_module, self.flat_groups)
         self.units: list[Unit] = []
         self._unit_hooks = []
+        self.param_offload: Optional[ParamOffload] = None
         if self.policy.shard_parameters:
             if meta and param_init_fn is None and callable(getattr(model, "_init_weights", None)):
                 param_init_fn = model._init_weights  # a transformers model's own initialization
@@ -196,7 +197,7 @@ class ZeroEngine(EngineAPI, nn.Module):
         # offload: fp32 masters and optimizer states on the host or disk, the step there (offload/)
         self.offload: Optional[OptimizerOffload] = None
         if self.zero_config.optimizer_offload != "none":
-            self.offload = OptimizerOffload(self.zero_config, config.aio, self.flat_groups, self.device,
+            self.offload = OptimizerOffload(self.zero_config, config.aio, self.trainable, self.device,
                                             self.dp_rank)
         pieces_by_group = [[] for _ in groups]
         for g in self.trainable:  # 16-bit parameters: the optimizer updates fp32 masters
@@ -251,12 +252,15 @@ class ZeroEngine(EngineAPI, nn.Module):
                       and not u.is_root}
             if owners:
                 self._unit_hooks += install_external_hooks(module, list(owners.values()), self.prefetcher)
+        self.param_offload = ParamOffload(zc, self.config.aio, self.device, self.dp_rank) \
+            if zc.param_offload != "none" else None  # shards on the host or on disk (offload/params.py)
+        park = self.param_offload.park if self.param_offload is not None else None
         if meta:
             initialize_meta_units(self.units, self.config.seed or 0, self.device, param_init_fn,
-                                  self.prefetcher)
-        if zc.param_offload != "none":  # this rank's shards in host memory (or files), copied in per gather
+                                  self.prefetcher, after_group=park)
+        if park is not None:
             for g in self.flat_groups:
-                g.offload_shard(zc.offload_param.pin_memory and zc.param_offload == "cpu")
+                park(g)
 
     # -- forward / backward -------------------------------------------------------------
 
@@ -574,3 +578,5 @@ class ZeroEngine(EngineAPI, nn.Module):
             self.monitor.close()
         if self.offload is not None:
             self.offload.close()
+        if self.param_offload is not None:
+            self.param_offload.close()

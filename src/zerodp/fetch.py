@@ -341,12 +341,14 @@ def install_unit_hooks(unit: Unit, prefetcher: Prefetcher, backward_done: Callab
 
 def initialize_meta_units(units: list[Unit], seed: int, device: torch.device,
                           param_init_fn: Optional[Callable[[nn.Module], None]],
-                          prefetcher: Optional["Prefetcher"] = None) -> None:
+                          prefetcher: Optional["Prefetcher"] = None,
+                          after_group: Optional[Callable[[Any], None]] = None) -> None:
     """Give a model built on the meta device its values, one unit at a time, so that no rank
     ever holds more than one unit's full parameters: materialize the unit, run
     ``reset_parameters()`` (then ``param_init_fn``, if given) of each module that owns
     parameters in it, seeded by (seed, unit) so every rank computes the same values, keep
-    this rank's shard and free the rest."""
+    this rank's shard and free the rest (and pass each group to ``after_group``: parameter
+    offload moves the shard off the device there)."""
     devices = [device] if device.type == "cuda" else []
     for unit in units:
         groups = [g for g in unit.groups if g.replaced]
@@ -372,6 +374,8 @@ def initialize_meta_units(units: list[Unit], seed: int, device: torch.device,
                     param_init_fn(m)
         for g in groups:
             g.keep_own_shard()
+            if after_group is not None:
+                after_group(g)
 
 
 # -- parameters used outside their unit ----------------------------------------------------------

@@ -129,7 +129,8 @@ class FlatGroup:
         self.params = new
         self.bind_params_to_full()  # .data views keep the parameters' own version counters
         self.full.untyped_storage().resize_(0)
-        self._own_shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
+        # written whole by keep_own_shard; left untouched until then (no memory is committed)
+        self._own_shard = torch.empty(self.shard_numel, dtype=self.dtype, device=self.device)
 
     def materialize(self) -> None:
         """Allocate the full buffer with zeros for initialization (no communication)."""

@@ -3,17 +3,18 @@
 * ``optimizer.py``: ``offload_optimizer`` — fp32 masters and optimizer states on the host
   (``cpu``) or in files (``nvme``), the step walked tile by tile on the CPU;
 * ``swap.py``: tensors paged to and from files with parallel positional I/O;
+* ``params.py``: stage 3's ``offload_param`` — parameter shards in host memory or in files,
+  brought to the device when their unit is gathered;
 * ``host.py``: the host-memory check made before anything is allocated.
-
-Stage 3's ``offload_param: cpu`` is ``FlatGroup.offload_shard``: a shard in host memory that
-``gather`` copies to the device.
 """
 from __future__ import annotations
 
 from .host import HostMemoryError, available_host_bytes, check_host_budget
 from .optimizer import OptimizerOffload
+from .params import ParamOffload
 
-__all__ = ["OptimizerOffload", "HostMemoryError", "available_host_bytes", "check_host_budget", "group_cap"]
+__all__ = ["OptimizerOffload", "ParamOffload", "HostMemoryError", "available_host_bytes", "check_host_budget",
+           "group_cap"]
 
 
 def group_cap(zero_config, world_size: int) -> int:

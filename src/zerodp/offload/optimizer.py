@@ -23,7 +23,6 @@ synchronous copies within host memory.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Optional
 
 import torch
@@ -43,13 +42,13 @@ STATES_PER_ELEMENT = 2
 class OptimizerOffload:
     """The offloaded masters, optimizer states and step of one engine's trainable groups."""
 
-    def __init__(self, zero_config, aio_config, flat_groups: list[FlatGroup], device: torch.device,
+    def __init__(self, zero_config, aio_config, groups: list[FlatGroup], device: torch.device,
                  rank: int) -> None:
         oc = zero_config.offload_optimizer
         self.kind: str = oc.device                      # "cpu" or "nvme"
         self.device = device
         self.pin = bool(oc.pin_memory) and device.type == "cuda"
-        groups = self.groups = [g for g in flat_groups if g.trainable]
+        self.groups = groups
         largest = max((g.shard_numel for g in groups), default=0)
         grad_bytes = max((g.grad_shard.element_size() for g in groups), default=4)
         param_bytes = max((g.full.element_size() for g in groups), default=4)
@@ -64,21 +63,9 @@ class OptimizerOffload:
         self._param_stage = [host_empty(largest * param_bytes, torch.uint8, device, self.pin) for _ in range(2)]
         self._param_sent: list[Optional[CopiesDone]] = [None, None]
         self._grad32 = torch.empty(largest if grad_bytes != 4 else 0, dtype=torch.float32)
-        self.flat_groups = flat_groups
         self.swap: Optional[SwapDir] = None        # masters and states (device "nvme")
-        self.param_swap: Optional[SwapDir] = None  # stage-3 parameter shards (offload_param "nvme")
         if self.kind == "nvme":
             self.swap = SwapDir(oc.nvme_path, rank, aio_config.block_size, aio_config.queue_depth)
-        if zero_config.param_offload == "nvme":  # every shard to its file now; read when its unit is gathered
-            path = zero_config.offload_param.nvme_path
-            same = self.swap is not None and os.path.realpath(path) == os.path.realpath(oc.nvme_path)
-            self.param_swap = self.swap if same else SwapDir(path, rank, aio_config.block_size,
-                                                             aio_config.queue_depth)
-            for g in flat_groups:
-                page = PagedTensors(self.param_swap, f"p{g.index}")
-                page.add(g.shard)
-                g.shard_page = page
-                page.page_out(wait=True)
         self._state_flats: dict[int, dict[str, torch.Tensor]] = {g.index: {} for g in groups}
         self.peak_resident_bytes = 0
         self.location = "disk" if self.kind == "nvme" else "host"
@@ -224,12 +211,12 @@ class OptimizerOffload:
         return sum(b.numel() * b.element_size() for b in bufs)
 
     def close(self) -> None:
-        for g in self.flat_groups:
+        for g in self.groups:
             for page in (g.master_page, g.shard_page):
                 if page is not None:
                     page.wait()
-        for swap in {id(s): s for s in (self.swap, self.param_swap) if s is not None}.values():
-            swap.close()
+        if self.swap is not None:
+            self.swap.close()
 
 
 def _as(buf: torch.Tensor, dtype: torch.dtype, numel: int) -> torch.Tensor:
