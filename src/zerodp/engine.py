@@ -23,7 +23,9 @@ A gradient's journey (stage policy in ``stages.py``, collectives in ``collective
 
 Under mixed precision (``precision.py``) gradients are 16-bit in steps 1-4 (or fp32 with
 ``data_types.grad_accum_dtype``), reduced in ``communication_data_type``, and turned into
-fp32 copies of this rank's shard only in step 5.
+fp32 copies of this rank's shard only in step 5. With ``offload_optimizer`` (``offload/``) the
+norm is taken on the device as is, and the rest of step 5 (divide, clip, update, write back)
+walks the shard tile by tile on the host.
 """
 from __future__ import annotations
 
