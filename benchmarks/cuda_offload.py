@@ -16,6 +16,8 @@ Run on a machine with one GPU (NCCL, world size 1):
 2. Memory and time for a larger GPT (bf16, stage 3): peak device memory over the start
    (``torch.cuda.max_memory_allocated``), the ledger's model states on the device, and the
    median step time with no offload, host offload and disk offload.
+3. Streamed inference (``zerodp.inference``): the same GPT's weights streamed from a
+   safetensors file give the whole model's logits; device memory and forward time.
 """
 from __future__ import annotations
 
@@ -160,6 +162,47 @@ def memory_and_time(root: Path, layers: int) -> list[str]:
     return rows
 
 
+def check_streamed(root: Path) -> tuple[list[str], bool]:
+    """Streamed inference on the GPU: the logits of the whole model, and the device memory."""
+    from safetensors.torch import save_file
+
+    from zerodp.inference import stream
+    torch.manual_seed(0)
+    gpt = dict(n_layer=12, n_head=16, n_embd=1024, block_size=256)
+    ref = build_gpt("medium", **gpt).eval()
+    seen, weights = set(), {}
+    for name, p in ref.named_parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            weights[name] = p.detach().contiguous()
+    save_file(weights, str(root / "stream.safetensors"))
+    x = torch.randint(0, 256, (4, 256)).cuda()
+    ref = ref.cuda()
+    with torch.no_grad():
+        want, _ = ref(x)
+    whole = sum(t.numel() * t.element_size() for t in weights.values())
+    del ref
+    gc.collect()
+    torch.cuda.empty_cache()
+    with zerodp.zero.Init():
+        meta = build_gpt("medium", **gpt).eval()
+    model = stream(meta, root / "stream.safetensors")
+    got = None
+    for _ in range(2):
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        got, _ = model(x)
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        peak = torch.cuda.max_memory_allocated() - before
+    same = torch.equal(got, want)
+    return [f"| streamed GPT ({whole / 2**20:.0f} MiB of fp32 weights) | logits equal the whole model's: {same} | "
+            f"streamed weights on the device at most {model.peak_streamed_bytes / 2**20:.1f} MiB | "
+            f"peak device memory over start {peak / 2**20:.0f} MiB | forward {dt * 1e3:.0f} ms |"], same
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -176,6 +219,9 @@ def main() -> None:
               f"{torch.cuda.get_device_name()}")
         print("| offload | peak device GiB (over start) | model states on device GiB | step ms |\n|---|---|---|---|")
         print("\n".join(memory_and_time(root, args.layers)), flush=True)
+        rows, same = check_streamed(root)
+        print("\n" + "\n".join(rows), flush=True)
+        print(f"streamed inference: {'PASS' if same else 'FAIL'}", flush=True)
     dist.destroy_process_group()
 
 

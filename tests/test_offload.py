@@ -200,3 +200,32 @@ def test_train_with_offload(tmp_path, capsys, flags, where):
         assert m[where] == optimizer and m["model_states_on_compute"] == m["parameters"] + m["gradients"]
     assert optimizer > 0
     assert len(summary["losses"]) == 2
+
+
+@pytest.mark.parametrize("stage,params", [(2, False), (3, True)])
+def test_estimate_offload_rows_agree_with_the_ledger(tmp_path, stage, params):
+    """``zerodp.estimate``'s offload row for this model (bf16, one rank) holds on the CPU what the
+    engine's ledger puts on the host (master + Adam states, and at stage 3 with parameter
+    offload the 16-bit parameter shard), and on the device what the ledger puts there, within
+    the padding of the flat groups."""
+    from zerodp.examples.gpt import build_gpt
+    torch.manual_seed(0)
+    model = build_gpt("tiny")
+    est = zerodp.estimate(build_gpt("tiny"), precision="bf16")
+    row = est.row(stage, "optimizer+params" if params else "optimizer")
+    zero = {"stage": stage, "offload_optimizer": {"device": "cpu"}}
+    if params:
+        zero["offload_param"] = {"device": "cpu"}
+    engine, *_ = zerodp.initialize(model=model, config={
+        "train_batch_size": 2, "bf16": {"enabled": True}, "zero_optimization": zero,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    x = torch.randint(0, 256, (2, 16))
+    _, loss = engine(x, torch.roll(x, -1, 1))
+    engine.backward(loss)
+    engine.step()
+    mem = engine.memory_breakdown()
+    engine.destroy()
+    slack = 64 * len(engine.flat_groups)  # padding: under 16 bytes per shard per group and array
+    assert abs(mem["model_states_on_host"] - row.cpu) <= slack, (mem["model_states_on_host"], row.cpu)
+    on_device = row.parameters + row.gradients + row.master_weights + row.optimizer_states
+    assert abs(mem["model_states_on_compute"] - on_device) <= slack, (mem["model_states_on_compute"], on_device)

@@ -276,6 +276,66 @@ def _run_consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- zerodp generate ------------------------------------------------------------------------
+
+def _generate_add_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("weights", metavar="CKPT_OR_WEIGHTS",
+        help="a checkpoint directory (zerodp's or DeepSpeed's; consolidated into a temporary "
+             "directory first), or a .safetensors file or directory of them (zerodp consolidate)")
+    add("--model", default="small", help="example GPT preset the weights belong to (default: %(default)s)")
+    add("--model-kwargs", default=None, metavar="JSON", help="GPT config overrides, e.g. '{\"n_layer\": 12}'")
+    add("--prompt", default="def ", help="text to continue (UTF-8 bytes; default: %(default)r)")
+    add("--max-new-tokens", type=int, default=64, help="bytes to generate (default: %(default)s)")
+    add("--temperature", type=float, default=0.8, help="sampling temperature (default: %(default)s)")
+    add("--top-k", type=int, default=40, help="sample from the k most likely bytes (default: %(default)s)")
+    add("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
+    add("--threshold", type=int, default=None,
+        help="modules with at least this many parameter elements are streamed (default: 100000)")
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    import json
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    from . import inference, zero
+    from .examples.gpt import build_gpt
+    try:
+        kwargs = json.loads(args.model_kwargs) if args.model_kwargs else {}
+        with zero.Init():
+            model = build_gpt(args.model, **kwargs).eval()
+    except (ValueError, TypeError) as e:
+        _error(str(e), "generate")
+        return 2
+    src = Path(args.weights)
+    with tempfile.TemporaryDirectory() as tmp:
+        if src.is_dir() and not any(src.glob("*.safetensors")):  # a checkpoint: consolidate it first
+            from .checkpoint import CheckpointError, consolidate
+            try:
+                consolidate(src, tmp)
+            except (CheckpointError, OSError) as e:
+                _error(str(e), "generate")
+                return 1
+            src = Path(tmp)
+        try:
+            extra = {} if args.threshold is None else {"threshold": args.threshold}
+            streamed = inference.stream(model, src, **extra)
+        except (FileNotFoundError, KeyError, ValueError) as e:
+            _error(str(e), "generate")
+            return 1
+        idx = torch.tensor([list(args.prompt.encode("utf-8")) or [10]], dtype=torch.long, device=streamed.device)
+        out = streamed.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                                generator=torch.Generator(device=streamed.device).manual_seed(args.seed))
+    print(bytes(out[0].tolist()).decode("utf-8", errors="replace"))
+    print(f"[zerodp] streamed {len(streamed.streamed)} modules; at most {streamed.peak_streamed_bytes / 2**20:.2f} "
+          f"MiB of their weights on the device at once, {streamed.resident_bytes / 2**20:.2f} MiB resident",
+          file=sys.stderr)
+    return 0
+
+
 COMMANDS: dict[str, Command] = {
     "train": Command(
         help="train the example GPT with a ZeRO stage on N local processes",
@@ -298,6 +358,17 @@ COMMANDS: dict[str, Command] = {
             "a few MB at a time, so memory stays flat whatever the model size."),
         add_arguments=_consolidate_add_arguments,
         run=_run_consolidate,
+    ),
+    "generate": Command(
+        help="continue a prompt with the example GPT, its weights streamed from disk (ZeRO-Inference)",
+        description=(
+            "Generate text with the example GPT from a checkpoint or safetensors weights, keeping the "
+            "weights in the files: each large module's weights come to the device just before it runs "
+            "(the next one read ahead) and leave after, so at most two modules' weights are in memory "
+            "at once. The Python API, zerodp.inference.stream, does the same for any model built in "
+            "zerodp.zero.Init(), transformers causal LMs included."),
+        add_arguments=_generate_add_arguments,
+        run=_run_generate,
     ),
     "plot": Command(
         help="draw charts (loss, learning rate, memory per stage) from runs' metrics CSV files",
