@@ -330,8 +330,9 @@ def _run_generate(args: argparse.Namespace) -> int:
         out = streamed.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                                 generator=torch.Generator(device=streamed.device).manual_seed(args.seed))
     print(bytes(out[0].tolist()).decode("utf-8", errors="replace"))
+    note = "" if streamed.streamed else " (no module reaches --threshold: every weight stays loaded)"
     print(f"[zerodp] streamed {len(streamed.streamed)} modules; at most {streamed.peak_streamed_bytes / 2**20:.2f} "
-          f"MiB of their weights on the device at once, {streamed.resident_bytes / 2**20:.2f} MiB resident",
+          f"MiB of their weights on the device at once, {streamed.resident_bytes / 2**20:.2f} MiB resident{note}",
           file=sys.stderr)
     return 0
 

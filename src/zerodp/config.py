@@ -160,8 +160,8 @@ class ZeroConfig(_Section):
         50_000_000, description="Stage 3: while a unit computes, all-gather the units expected next (recorded forward order; reverse in backward) up to this many elements ahead; 0 disables prefetching.")
     stage3_param_persistence_threshold: _NonNegative = Field(
         100_000, description="Stage 3: a module becomes a unit (gathered before its forward and backward, released after) when its parameters not claimed by a unit below it number at least this many elements; smaller modules' parameters go with the enclosing unit, and the root unit stays gathered from forward to the end of backward.")
-    stage3_max_live_parameters: _Positive = Field(
-        1_000_000_000, description="Stage 3: prefetching stops where it would bring the gathered parameter elements on a rank above this (units being computed are always gathered).")
+    stage3_max_live_parameters: _NonNegative = Field(
+        1_000_000_000, description="Stage 3: prefetching stops where it would bring the gathered parameter elements on a rank above this (units being computed are always gathered; 0: no prefetching).")
     stage3_max_reuse_distance: _NonNegative = Field(
         1_000_000_000, description="Stage 3: after its forward, a unit stays gathered when the recorded order uses it again (later in forward or in backward) before this many elements of other units are gathered, within stage3_max_live_parameters; 0 releases every unit after each use.")
     stage3_gather_16bit_weights_on_model_save: bool = Field(
@@ -170,10 +170,10 @@ class ZeroConfig(_Section):
         None, description="Optimizer offload (stages 1-3): see docs/offload.md.")
     offload_param: OffloadParamConfig | None = Field(
         None, description="Parameter offload (stage 3): see docs/offload.md.")
-    sub_group_size: _Positive = Field(
+    sub_group_size: _NonNegative = Field(
         1_000_000_000, description="With optimizer offload: the most elements of this rank's shard the "
                                    "step holds in host memory at once (the tile it walks; a parameter "
-                                   "piece larger than this is a tile of its own).")
+                                   "piece larger than this, and with 0 every parameter, is a tile of its own).")
     cpu_offload: bool = Field(False, description='Legacy DeepSpeed switch: true means offload_optimizer '
                                                  '{"device": "cpu"}.')
 
