@@ -121,6 +121,66 @@ def ratio(value: Optional[float], reference: Optional[float]) -> Optional[float]
     return value / reference
 
 
+# ---------------------------------------------------------------------------- the disk
+
+
+def files_under(path: str) -> list[str]:
+    if os.path.isfile(path):
+        return [path]
+    return sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs)
+
+
+def evict(path: str) -> float:
+    """Fsync every file under ``path`` and drop it from the page cache (twice: the first pass
+    can miss pages not yet on the kernel's LRU lists); returns the seconds the fsyncs took
+    (zero-ish for files already durable)."""
+    spent = 0.0
+    for attempt in range(2):
+        for name in files_under(path):
+            fd = os.open(name, os.O_RDONLY)
+            try:
+                if attempt == 0:
+                    t0 = time.perf_counter()
+                    os.fsync(fd)
+                    spent += time.perf_counter() - t0
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    return spent
+
+
+def write_file(path: str, nbytes: int, chunk: int = 8 << 20) -> tuple[int, float]:
+    """Write ``nbytes`` (rounded to whole ``chunk`` writes, at least one) of random bytes to
+    ``path`` and fsync; returns the bytes written and the seconds to the end of the fsync."""
+    view = memoryview(bytearray(os.urandom(chunk)))
+    nbytes = max(chunk, nbytes // chunk * chunk)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        t0 = time.perf_counter()
+        done = 0
+        while done < nbytes:
+            done += os.write(fd, view)
+        os.fsync(fd)
+        return nbytes, time.perf_counter() - t0
+    finally:
+        os.close(fd)
+
+
+def read_file(path: str, chunk: int = 8 << 20) -> tuple[int, float]:
+    """Read ``path`` sequentially in ``chunk`` reads into one reused buffer; returns the bytes
+    read and the seconds (evict it first for a read from the disk)."""
+    view = memoryview(bytearray(chunk))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        t0 = time.perf_counter()
+        got = 0
+        while (n := os.preadv(fd, [view], got)) > 0:
+            got += n
+        return got, time.perf_counter() - t0
+    finally:
+        os.close(fd)
+
+
 # ---------------------------------------------------------------------------- worker side
 
 

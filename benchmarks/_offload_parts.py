@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from _common import evict, read_file, write_file
+
 HERE = Path(__file__).resolve().parent
 WORKER = HERE.parent / "tests" / "offload_memory_worker.py"
 MIB = 1 << 20
@@ -36,41 +38,6 @@ def step_times(args, disk_dir: str, reps: int = 3) -> str:
 
 
 # ------------------------------------------------------------------------------ the disk
-
-def _evict(path: str) -> None:
-    """Flush ``path`` and drop it from the page cache, so the next read comes from the disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def _write_file(path: str, nbytes: int, block: int = 8 * MIB) -> float:
-    data = torch.randint(0, 255, (block,), dtype=torch.uint8).numpy().tobytes()
-    t0 = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        for _ in range(nbytes // block):
-            os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return time.perf_counter() - t0
-
-
-def _read_plain(path: str, nbytes: int, block: int = 8 * MIB) -> float:
-    buf = bytearray(block)
-    t0 = time.perf_counter()
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        while os.readv(fd, [buf]) > 0:
-            pass
-    finally:
-        os.close(fd)
-    return time.perf_counter() - t0
-
 
 def _read_threads(swap, path: str, nbytes: int, reuse: torch.Tensor | None) -> float:
     t0 = time.perf_counter()
@@ -119,7 +86,7 @@ def _tile_walk(swap, nbytes: int, tile: int) -> tuple[float, int]:
         page.page_out(wait=True)
         tiles.append(page)
     for page in tiles:
-        _evict(str(page.path))
+        evict(str(page.path))
     t0 = time.perf_counter()
     tiles[0].page_in(wait=False)
     for k, page in enumerate(tiles):
@@ -140,8 +107,8 @@ def disk_section(disk_dir: str, mib: int, reps: int = 3) -> str:
     path = str(swap.dir / "bandwidth.bin")
     reuse = torch.empty(nbytes, dtype=torch.uint8)
     reuse.fill_(0)
-    cases = {"sequential write (8 MiB writes, fsync)": lambda: _write_file(path, nbytes),
-             "sequential read (8 MiB reads into a reused buffer)": lambda: _read_plain(path, nbytes),
+    cases = {"sequential write (8 MiB writes, fsync)": lambda: write_file(path, nbytes)[1],
+             "sequential read (8 MiB reads into a reused buffer)": lambda: read_file(path)[1],
              "threads + preadv, 1 MiB blocks, 8 in flight, into fresh memory (zerodp's page-in)":
                  lambda: _read_threads(swap, path, nbytes, None),
              "threads + preadv, 1 MiB blocks, 8 in flight, into reused memory":
@@ -154,7 +121,7 @@ def disk_section(disk_dir: str, mib: int, reps: int = 3) -> str:
         for _ in range(reps):  # interleaved: the disk's ups and downs fall on every case
             for what, fn in cases.items():
                 if what != "tile walk" and not what.startswith("sequential write"):
-                    _evict(path)
+                    evict(path)
                 try:
                     times[what].append(fn())
                 except OSError as e:

@@ -54,6 +54,7 @@ from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
+from _common import evict, files_under, read_file, write_file  # noqa: E402,F401 (files_under: tests)
 
 #: Example-GPT shapes by approximate parameter count: (n_layer, n_embd, n_head).
 SIZES = {
@@ -92,64 +93,15 @@ def io_delta(before: Optional[dict], after: Optional[dict], key: str) -> Optiona
     return after[key] - before[key]
 
 
-def files_under(path: str) -> list[str]:
-    if os.path.isfile(path):
-        return [path]
-    return sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs)
-
-
-def evict(path: str) -> float:
-    """Fsync every file under ``path`` and drop it from the page cache (twice: the first pass
-    can miss pages not yet on the kernel's LRU lists); returns the seconds the fsyncs took
-    (zero-ish for files already durable)."""
-    spent = 0.0
-    for attempt in range(2):
-        for name in files_under(path):
-            fd = os.open(name, os.O_RDONLY)
-            try:
-                if attempt == 0:
-                    t0 = time.perf_counter()
-                    os.fsync(fd)
-                    spent += time.perf_counter() - t0
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-    return spent
-
-
 def measure_disk(folder: str, nbytes: int, chunk: int = 8 << 20) -> dict[str, float]:
     """Sequential write (to the end of fsync) and cold read of an ``nbytes`` file of random
     bytes in ``folder``, in GB/s (10^9 bytes); the file is removed afterwards."""
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f".disk-bandwidth-{os.getpid()}")
-    buf = bytearray(os.urandom(chunk))
-    view = memoryview(buf)
-    nbytes = max(chunk, nbytes // chunk * chunk)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            t0 = time.perf_counter()
-            done = 0
-            while done < nbytes:
-                done += os.write(fd, view)
-            os.fsync(fd)
-            write_s = time.perf_counter() - t0
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            t0 = time.perf_counter()
-            got = 0
-            while got < nbytes:
-                n = os.preadv(fd, [view], got)
-                if n <= 0:
-                    break
-                got += n
-            read_s = time.perf_counter() - t0
-        finally:
-            os.close(fd)
+        nbytes, write_s = write_file(path, nbytes, chunk)
+        evict(path)
+        got, read_s = read_file(path, chunk)
     finally:
         try:
             os.remove(path)

@@ -54,10 +54,10 @@ class OptimizerOffload:
         param_bytes = max((g.full.element_size() for g in groups), default=4)
         shard = sum(g.shard_numel for g in groups)
         resident = shard if self.kind == "cpu" else min(shard, 3 * largest)
-        self.staging_bytes = 2 * largest * (grad_bytes + param_bytes) + 4 * largest
         check_host_budget({"fp32 master": 4 * resident,
                            "optimizer states (est.)": 4 * STATES_PER_ELEMENT * resident,
-                           "transfer buffers": self.staging_bytes}, self.pin)
+                           "transfer buffers": 2 * largest * (grad_bytes + param_bytes) + 4 * largest},
+                          self.pin)
         # two of each transfer buffer: one tile in flight while the other is worked on
         self._grad_stage = [host_empty(largest * grad_bytes, torch.uint8, device, self.pin) for _ in range(2)]
         self._param_stage = [host_empty(largest * param_bytes, torch.uint8, device, self.pin) for _ in range(2)]

@@ -19,8 +19,6 @@ import ctypes
 import os
 import shutil
 import tempfile
-import threading
-import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -35,22 +33,6 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     if n == 0:
         return memoryview(bytearray(0))
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
-
-
-class IOCounters:
-    """Bytes moved and seconds spent waiting on the swap files (for metrics and benchmarks)."""
-
-    def __init__(self) -> None:
-        self.read_bytes = self.written_bytes = 0
-        self.read_seconds = self.write_seconds = 0.0
-        self._lock = threading.Lock()
-
-    def add(self, read: int = 0, written: int = 0, read_s: float = 0.0, write_s: float = 0.0) -> None:
-        with self._lock:
-            self.read_bytes += read
-            self.written_bytes += written
-            self.read_seconds += read_s
-            self.write_seconds += write_s
 
 
 class SwapDir:
@@ -68,7 +50,6 @@ class SwapDir:
         # tiles: one page-in and one page-out at a time; blocks: their requests, in parallel
         self.tiles = ThreadPoolExecutor(max_workers=2, thread_name_prefix="zerodp-tile")
         self.pool = ThreadPoolExecutor(max_workers=max(1, queue_depth), thread_name_prefix="zerodp-swap")
-        self.io = IOCounters()
         self._finalizer = weakref.finalize(self, SwapDir._cleanup, self.tiles, self.pool, self.dir)
 
     @staticmethod
@@ -83,12 +64,9 @@ class SwapDir:
 
     def transfer(self, fd: int, tensors: list[torch.Tensor], offsets: list[int], write: bool) -> None:
         """Read or write ``tensors`` at byte ``offsets`` of ``fd`` in blocks, ``queue_depth`` at a time."""
-        t0 = time.perf_counter()
         jobs = []
-        total = 0
         for t, off in zip(tensors, offsets):
             view = _byte_view(t)
-            total += len(view)
             for lo in range(0, len(view), self.block_size):
                 jobs.append((view[lo:lo + self.block_size], off + lo))
         op = _pwrite_all if write else _pread_all
@@ -98,8 +76,6 @@ class SwapDir:
         else:
             for f in [self.pool.submit(op, fd, buf, off) for buf, off in jobs]:
                 f.result()
-        dt = time.perf_counter() - t0
-        self.io.add(written=total, write_s=dt) if write else self.io.add(read=total, read_s=dt)
 
 
 def _pread_all(fd: int, buf: memoryview, offset: int) -> None:
