@@ -141,8 +141,8 @@ class RankPlan:
                 self._add(f"g{g.index}.value", best[lo - g.shard_lo:hi - g.shard_lo])
             else:  # disk offload: read from the tile's file while written
                 self._add_parts(f"g{g.index}.value", best.dtype, hi - lo,
-                                lambda g=g, a=lo - g.shard_lo, b=hi - g.shard_lo: _swapped_in(
-                                    g, lambda: [(g.master if g.master is not None else g.shard)[a:b]]))
+                                lambda g=g, best=best, a=lo - g.shard_lo, b=hi - g.shard_lo:
+                                    _swapped_in(g, lambda: [best[a:b]]))
             for key in part.keys:
                 self._add_parts(f"g{g.index}.state.{key}", part.state_dtypes[key], hi - lo,
                                 lambda part=part, key=key: _swapped_in(part.group, lambda: self._state_parts(part, key)))

@@ -10,8 +10,9 @@ any world size and stage from it:
    value and the optimizer states, by element range, so each rank reads only its share;
 2. the ranks agree that every rank succeeded (``coord.py``); on failure all raise and no
    engine has changed;
-3. every rank puts what it read in place: fp32 masters (16-bit parameters rounded from them),
-   optimizer state, then the all-gather that completes the full parameters at stages 1-2;
+3. every rank puts what it read in place: optimizer state, fp32 masters (16-bit parameters
+   rounded from them; with disk offload each tile read and written once, its states with it),
+   then the all-gather that completes the full parameters at stages 1-2;
    the scheduler, loss scale, counters, RNG states (same world size only) and the
    data-loader position follow.
 """
@@ -375,6 +376,8 @@ def load_into_engine(engine: "ZeroEngine", src: Source, *, strict: bool = True,
     for unit in engine.units:
         unit.release()
     with torch.no_grad():
+        if with_optimizer:
+            _load_optimizer(engine, src, plan)
         values: dict[int, list] = {}
         for g, pc, value in plan.values:
             values.setdefault(g.index, []).append((pc, value))
@@ -384,6 +387,8 @@ def load_into_engine(engine: "ZeroEngine", src: Source, *, strict: bool = True,
                 for pc, value in values.get(g.index, ()):
                     target[pc.shard_lo:pc.shard_hi].copy_(value)
                 g.write_back_master()
+                if with_optimizer and g.master_page is not None:  # the loaded states go to the file
+                    engine.offload.adopt_states(g, engine.optimizer)
             if not g.shards_parameters and g.partitions > 1:
                 engine.comm.all_gather(g.full)
         params = dict(engine.base_module.named_parameters())
@@ -394,10 +399,6 @@ def load_into_engine(engine: "ZeroEngine", src: Source, *, strict: bool = True,
             buffers[name].copy_(value)
     engine.zero_grad()
     if not load_module_only:
-        if with_optimizer:
-            _load_optimizer(engine, src, plan)
-            if engine.offload is not None:  # disk offload: the loaded states go to their files
-                engine.offload.rehome_states(engine.optimizer)
         if load_lr_scheduler_states and engine.lr_scheduler is not None and src.lr_scheduler is not None:
             _load_lr_scheduler(engine, src)
         if engine.loss_scaler is not None and src.loss_scaler is not None:

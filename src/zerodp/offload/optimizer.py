@@ -123,7 +123,7 @@ class OptimizerOffload:
                     pp.grad = None
                 self._send_back(k, g)
                 if g.master_page is not None:
-                    self._adopt_states(g, optimizer)
+                    self.adopt_states(g, optimizer)
                     g.master_page.page_out()
         finally:
             for grp, params in zip(optimizer.param_groups, saved):
@@ -174,7 +174,7 @@ class OptimizerOffload:
 
     # -- disk: optimizer states in the tile's file -----------------------------------------
 
-    def _adopt_states(self, g: FlatGroup, optimizer: torch.optim.Optimizer) -> None:
+    def adopt_states(self, g: FlatGroup, optimizer: torch.optim.Optimizer) -> None:
         """Move the elementwise optimizer states of ``g``'s pieces into the tile's flat state
         tensors (made on the first step, kept in the tile's file) and make the optimizer's state
         entries views of them. Scalars (Adam's step count) stay in memory."""
@@ -194,13 +194,6 @@ class OptimizerOffload:
                 if v.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
                     view.copy_(v.reshape(-1))
                     st[key] = view.view(v.shape)
-
-    def rehome_states(self, optimizer: torch.optim.Optimizer) -> None:
-        """After the optimizer's state was replaced (a checkpoint load): move it into the files."""
-        for g in self.groups:
-            if g.master_page is not None:
-                with g.swapped_in():
-                    self._adopt_states(g, optimizer)
 
     # -- what it holds ------------------------------------------------------------------------
 
