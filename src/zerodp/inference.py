@@ -74,8 +74,7 @@ class StreamedModel(nn.Module):
         self.device = device or accelerator.default_device()
         self.dtype = dtype
         self.weights = _Weights(weights)
-        self._lock = threading.Lock()
-        self.reads = 0
+        self._lock = threading.Lock()  # one reader of the files at a time (main and read-ahead threads)
         self._names: dict[int, list[str]] = defaultdict(list)   # id(param) -> its names
         self._holders: dict[int, list[tuple[nn.Module, str]]] = defaultdict(list)
         self._meta: dict[int, nn.Parameter] = {}
@@ -125,7 +124,6 @@ class StreamedModel(nn.Module):
     def _read(self, pid: int) -> torch.Tensor:
         """Parameter ``pid``'s tensor from the files, on the host."""
         with self._lock:
-            self.reads += 1
             return self.weights.get(self._names[pid])
 
     def _put(self, pid: int, host: torch.Tensor) -> int:
