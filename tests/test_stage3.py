@@ -64,16 +64,21 @@ def test_parameter_unused_on_some_ranks_inside_a_unit(pool, world):
 
 def test_prefetch_bounds_live_parameters_and_keeps_numbers(pool):
     """Without prefetch one unit's parameters are gathered at a time; prefetching one unit
-    ahead keeps at most two alive; the trained parameters are identical either way."""
+    ahead keeps at most two alive, two units ahead at most three (the units prefetched
+    earlier count toward the bucket: it bounds what is gathered ahead, not what is newly
+    gathered at each unit); the trained parameters are identical either way."""
     from stage3_tasks import prefetch_task
     off = pool.run(prefetch_task, 2, 0)
     one = pool.run(prefetch_task, 2, 256)          # one 16x16 unit ahead
+    two = pool.run(prefetch_task, 2, 512)
     unit_bytes = off[0]["unit_bytes"]
     assert off[0]["units"] == 7 and off[0]["order"] == [1, 2, 3, 4, 5, 6]
     assert off[0]["peak"] == unit_bytes
     assert one[0]["peak"] == 2 * unit_bytes
-    for name, want in off[0]["params"].items():
-        assert torch.equal(one[0]["params"][name], want), name
+    assert two[0]["peak"] == 3 * unit_bytes
+    for res in (one, two):
+        for name, want in off[0]["params"].items():
+            assert torch.equal(res[0]["params"][name], want), name
 
 
 def test_reuse_distance_keeps_units_gathered(pool):

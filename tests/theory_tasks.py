@@ -34,7 +34,10 @@ def measure(group, stage: int, widths: list[int], gas: int = 1, steps: int = 2,
         engine.backward(engine(x).pow(2).mean())
         engine.step()
     assert engine.skipped_steps == 0
+    held = [g.grad_full if g.grad_full is not None else g.grad_shard for g in engine.trainable]
     out = {"memory": engine.memory_breakdown(), "comm": engine.comm_stats(),
-           "layout": [(g.numel, g.padded_numel) for g in engine.flat_groups]}
+           "layout": [(g.numel, g.padded_numel) for g in engine.flat_groups],
+           # gradient memory still allocated after the update
+           "grads_between_steps": sum(t.numel() * t.element_size() for t in held if t is not None)}
     engine.destroy()
     return out

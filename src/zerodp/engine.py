@@ -333,7 +333,7 @@ class ZeroEngine(EngineAPI, nn.Module):
         if g.grad_full is not None:
             return g.grad_full
         if t not in self._buckets:
-            dtype = self.precision.comm_dtype(g.grad_shard.dtype)
+            dtype = self.precision.comm_dtype(g.grad_dtype)
             self._buckets[t] = torch.zeros(g.padded_numel, dtype=dtype, device=g.device)
             live = sum(b.numel() * b.element_size() for b in self._buckets.values())
             self.peak_bucket_bytes = max(self.peak_bucket_bytes, live)
@@ -411,7 +411,7 @@ class ZeroEngine(EngineAPI, nn.Module):
             return
 
         def then(g=g, buf=buf, t=t):  # stages 2-3: keep this rank's part of the bucket, free it
-            g.grad_shard.add_(g.shard_of(buf))
+            g.add_to_grad_shard(g.shard_of(buf))
             self._buckets.pop(t, None)
         self._handles.append(collective(buf, async_op=self.overlap_comm, then=then))
         # bound the buckets alive at once: wait for the oldest beyond two in flight

@@ -75,11 +75,13 @@ class Prefetcher:
 
     The forward order of units is recorded in the first forward; later forwards check each
     unit against it and, while it holds, start the all-gathers of the next units (forward
-    order; reverse order in backward) as asynchronous collectives, up to
-    ``bucket_numel`` elements ahead and never beyond ``max_live_numel`` gathered elements.
+    order; reverse order in backward) as asynchronous collectives, while the units gathered
+    ahead of the current one (those prefetched earlier included) hold at most
+    ``bucket_numel`` elements, and never beyond ``max_live_numel`` gathered elements.
     When a forward departs from the recorded order, prefetching stops for that pass and
-    the order is recorded again in the next one (prefetching resumes in the one after). Every rank takes the same decisions, so
-    the collectives stay in the same order on every rank.
+    the order is recorded again in the next one (prefetching resumes in the one after).
+    Every rank takes the same decisions, so the collectives stay in the same order on every
+    rank.
     """
 
     def __init__(self, units: list[Unit], bucket_numel: int, max_live_numel: int,
@@ -181,10 +183,16 @@ class Prefetcher:
         if self.bucket_numel <= 0:
             return
         live = sum(g.padded_numel for u in self.units for g in u.groups if g.gathered)
-        budget = self.bucket_numel
+        budget, seen = self.bucket_numel, set()
         for index in upcoming:
             unit = self.units[index]
-            if unit.gathered:
+            if index in seen:
+                continue
+            seen.add(index)
+            if unit.gathered:  # already ahead (prefetched earlier, or kept): it uses the budget too
+                budget -= unit.numel
+                if budget <= 0:
+                    break
                 continue
             if live + unit.numel > self.max_live_numel or (budget < self.bucket_numel and unit.numel > budget):
                 break

@@ -10,8 +10,9 @@ The group also keeps, as the stage policy decides (see ``stages.py``):
 
 * ``grad_full``: a full-size gradient buffer (stages 0-1), whose views are the
   parameters' ``.grad``;
-* ``grad_shard``: this rank's gradient shard (a view into ``grad_full`` at stages 0-1,
-  its own buffer at stage 2);
+* ``grad_shard``: this rank's gradient shard (a view into ``grad_full`` at stages 0-1; at
+  stages 2-3 its own buffer, made by the first reduction of a step and freed after the
+  update, so between steps no gradient memory is held, as with ``zero_grad(set_to_none=True)``);
 * ``master``: under mixed precision, an fp32 copy of this rank's shard of the 16-bit
   parameters, which the optimizer updates (``None`` in fp32 training);
 * ``pieces``: for each parameter that overlaps this rank's shard, a leaf tensor that
@@ -109,6 +110,7 @@ class FlatGroup:
 
         self.grad_full: Optional[torch.Tensor] = None
         self.grad_shard: Optional[torch.Tensor] = None
+        self.grad_dtype: torch.dtype = self.dtype
         self.master: Optional[torch.Tensor] = None  # fp32 copy of the shard (mixed precision)
         self.master_page: Optional[Any] = None  # disk offload: the file master and states live in
         self.shard_page: Optional[Any] = None   # stage-3 parameter offload to disk: the shard's file
@@ -238,13 +240,27 @@ class FlatGroup:
         """Allocate gradient storage in ``dtype`` (default: the parameters'): a full buffer
         whose views are ``p.grad`` (stages 0-1; views only where the dtypes match, as torch
         requires), or only this rank's shard (stages 2-3)."""
-        dtype = dtype or self.dtype
+        self.grad_dtype = dtype or self.dtype
         if keep_full:
-            self.grad_full = torch.zeros(self.padded_numel, dtype=dtype, device=self.device)
+            self.grad_full = torch.zeros(self.padded_numel, dtype=self.grad_dtype, device=self.device)
             self.grad_shard = self.shard_of(self.grad_full)
             self._bind_grads_to_full()
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes of gradient storage this group holds during a step (the full buffer, or the
+        shard whether or not it is allocated right now)."""
+        numel = self.padded_numel if self.grad_full is not None else self.shard_numel
+        return numel * self.grad_dtype.itemsize
+
+    def add_to_grad_shard(self, reduced: torch.Tensor) -> None:
+        """Add this rank's reduced part of a gradient bucket into ``grad_shard`` (stages 2-3),
+        allocating the shard with the first one of a step."""
+        if self.grad_shard is None:
+            self.grad_shard = torch.empty(self.shard_numel, dtype=self.grad_dtype, device=self.device)
+            self.grad_shard.copy_(reduced)
         else:
-            self.grad_shard = torch.zeros(self.shard_numel, dtype=dtype, device=self.device)
+            self.grad_shard.add_(reduced)
 
     def _bind_grads_to_full(self) -> None:
         """Make every ``p.grad`` a view of ``grad_full`` so autograd accumulates into it (when
@@ -261,7 +277,7 @@ class FlatGroup:
             self.grad_full.zero_()
             self._bind_grads_to_full()
         else:
-            self.grad_shard.zero_()
+            self.grad_shard = None  # the next step's first reduction allocates it again
             for p in self.params:
                 p.grad = None
 

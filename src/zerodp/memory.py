@@ -29,8 +29,9 @@ def measure_model_states(engine: "ZeroEngine") -> dict[str, int]:
     * ``gathered_parameters``: stage 3's full parameter buffers allocated right now (between
       a unit's gather and release; zero between steps), and ``gathered_parameters_peak``, the
       most allocated at once so far (prefetched units included);
-    * ``gradients``: persistent gradient storage (the full buffer at stages 0-1, the shard
-      at stage 2);
+    * ``gradients``: gradient storage of a step (the full buffer at stages 0-1, kept between
+      steps; this rank's shard at stages 2-3, allocated by the step's first reduction and
+      freed after the update, counted whether or not it is allocated right now);
     * ``master_weights``: fp32 master copies kept apart from the parameters (none in fp32
       training, where the optimizer updates the parameter shard in place);
     * ``optimizer_states``: optimizer state tensors with one value per parameter element
@@ -52,7 +53,7 @@ def measure_model_states(engine: "ZeroEngine") -> dict[str, int]:
         if g.shards_parameters:
             out["gathered_parameters"] += g.full.untyped_storage().nbytes()
     for g in engine.trainable:
-        out["gradients"] += _nbytes(g.grad_full if g.grad_full is not None else g.grad_shard)
+        out["gradients"] += g.grad_bytes
         if g.master is not None:
             out["master_weights"] += _nbytes(g.master)  # offloaded to disk: its size in the file
     for group in engine.optimizer.param_groups:

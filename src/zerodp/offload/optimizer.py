@@ -50,7 +50,7 @@ class OptimizerOffload:
         self.pin = bool(oc.pin_memory) and device.type == "cuda"
         self.groups = groups
         largest = max((g.shard_numel for g in groups), default=0)
-        grad_bytes = max((g.grad_shard.element_size() for g in groups), default=4)
+        grad_bytes = max((g.grad_dtype.itemsize for g in groups), default=4)
         param_bytes = max((g.full.element_size() for g in groups), default=4)
         shard = sum(g.shard_numel for g in groups)
         resident = shard if self.kind == "cpu" else min(shard, 3 * largest)
