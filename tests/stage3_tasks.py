@@ -118,18 +118,29 @@ def prefetch_task(group, prefetch: int, reuse: int = 0) -> dict:
     rank = dist.get_rank(group)
     engine, _, _, _ = zerodp.initialize(model=deep_net(), config=_stage3_config(prefetch, reuse=reuse),
                                         process_group=group)
+    # bytes of own-shard storage held by gathered groups, seen from inside every unit's forward
+    held: list[int] = []
+
+    def look(module, args):
+        held.append(sum(g._own_shard.untyped_storage().nbytes() for g in engine.flat_groups
+                        if g.gathered))
+    hooks = [u.module.register_forward_pre_hook(look) for u in engine.units[1:]]
     for step in range(3):
         x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank))
         engine.backward(engine(x).pow(2).mean())
         engine.step()
+    for h in hooks:
+        h.remove()
     mem = engine.memory_breakdown()
     unit_bytes = engine.units[1].numel * 4
+    shards_back = all(g._own_shard.untyped_storage().nbytes() == g.shard_numel * 4 for g in engine.flat_groups)
     with zerodp.GatheredParameters(list(engine.module.parameters())):
         params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     engine.destroy()
     return {"peak": mem["gathered_parameters_peak"], "unit_bytes": unit_bytes, "params": params,
             "units": len(engine.units), "order": engine.prefetcher.order,
-            "all_gather": engine.comm_stats()["all_gather"]}
+            "all_gather": engine.comm_stats()["all_gather"], "shard_bytes_while_gathered": max(held),
+            "shards_back": shards_back}
 
 
 class Reorder(nn.Module):

@@ -76,6 +76,10 @@ def test_prefetch_bounds_live_parameters_and_keeps_numbers(pool):
     assert off[0]["peak"] == unit_bytes
     assert one[0]["peak"] == 2 * unit_bytes
     assert two[0]["peak"] == 3 * unit_bytes
+    # a gathered unit's values live in its full buffer only: the own shard's storage is freed
+    # meanwhile and refilled when the unit is released
+    for res in (off, one, two):
+        assert res[0]["shard_bytes_while_gathered"] == 0 and res[0]["shards_back"]
     for res in (one, two):
         for name, want in off[0]["params"].items():
             assert torch.equal(res[0]["params"][name], want), name

@@ -333,8 +333,7 @@ class ZeroEngine(EngineAPI, nn.Module):
         if g.grad_full is not None:
             return g.grad_full
         if t not in self._buckets:
-            dtype = self.precision.comm_dtype(g.grad_dtype)
-            self._buckets[t] = torch.zeros(g.padded_numel, dtype=dtype, device=g.device)
+            self._buckets[t] = g.new_grad_bucket(self.precision.comm_dtype(g.grad_dtype))
             live = sum(b.numel() * b.element_size() for b in self._buckets.values())
             self.peak_bucket_bytes = max(self.peak_bucket_bytes, live)
         return self._buckets[t]
@@ -360,7 +359,7 @@ class ZeroEngine(EngineAPI, nn.Module):
                 "zerodp.register_external_parameter(module, parameter), or make a module that "
                 "encloses every use its unit (initialize(unit_classes=...))")
         self._seen[t][i] = True
-        g.fold_param_grad_into(self._grad_buffer(t), i)
+        self._take_grad(t, i)
         if all(self._seen[t]) and not self.units:
             self._mark_ready(t)  # stage 3 launches per unit, in _on_unit_backward_done
 
@@ -381,11 +380,19 @@ class ZeroEngine(EngineAPI, nn.Module):
     def _complete_group(self, t: int) -> None:
         """Take gradients whose hooks did not fire (accumulated in no_sync, or none) and mark
         group ``t`` ready."""
-        g, buf = self.trainable[t], self._grad_buffer(t)
-        for i in range(len(g.params)):
+        for i in range(len(self.trainable[t].params)):
             if not self._seen[t][i]:
-                g.fold_param_grad_into(buf, i)
+                self._take_grad(t, i)
         self._mark_ready(t)
+
+    def _take_grad(self, t: int, i: int) -> None:
+        """Move parameter ``i``'s gradient into group ``t``'s reduction buffer: added into
+        the full gradient buffer (stages 0-1), written into the bucket (stages 2-3)."""
+        g = self.trainable[t]
+        if g.grad_full is not None:
+            g.fold_param_grad_into(g.grad_full, i)
+        else:
+            g.move_grad_into_bucket(self._grad_buffer(t), i)
 
     def _mark_ready(self, t: int) -> None:
         self._ready[t] = True

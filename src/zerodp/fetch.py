@@ -486,7 +486,7 @@ def GatheredParameters(params: Any, modifier_rank: Optional[int] = None, enabled
                     comm.broadcast(g.full, src_rank=modifier_rank)
                     if sharded:
                         with g.swapped_in():
-                            g._own_shard.copy_(g.shard_of(g.full))
+                            g.shard.copy_(g.shard_of(g.full))
                     g.refresh_master()
         for g in gathered_here:
             g.release()

@@ -4,7 +4,9 @@ A flat group holds parameters that share an optimizer param group, a dtype and
 whether they are trained. Their elements are laid out back to back in one 1-D buffer, padded
 so that it splits into ``partitions`` equal shards whose size is a multiple of 16 bytes.
 Rank ``r`` owns elements ``[r * S, (r + 1) * S)``. While the full buffer exists, every
-parameter's ``.data`` is a view into it.
+parameter's ``.data`` is a view into it. At stage 3 the shard persists in a buffer of its
+own, and the full buffer exists only while the group is gathered; the shard's storage is
+freed meanwhile (its values are in ``full``) and refilled on release.
 
 The group also keeps, as the stage policy decides (see ``stages.py``):
 
@@ -95,6 +97,8 @@ class FlatGroup:
         self.shard_hi = self.shard_lo + self.shard_numel
 
         self._own_shard: Optional[torch.Tensor] = None  # stage 3: this rank's persistent shard
+        self._shard_in_full = False  # stage 3, gathered: the own shard's values are only in full
+        self.shard_being_copied = False  # an asynchronous checkpoint copy reads the shard: keep it
         self._pending = None  # a stage-3 all-gather in flight (prefetch)
         self.replaced: dict[int, nn.Parameter] = {}
         if any(p.is_meta for p in self.params):
@@ -169,8 +173,12 @@ class FlatGroup:
     @property
     def shard(self) -> torch.Tensor:
         """This rank's shard of the parameters: a view into ``full`` (stages 0-2), or its own
-        persistent buffer once ``shard_parameters()`` was called (stage 3)."""
-        return self._own_shard if self.shards_parameters else self.shard_of(self.full)
+        persistent buffer once ``shard_parameters()`` was called (stage 3; taken back from
+        ``full`` first if the group is gathered, see ``gather``)."""
+        if not self.shards_parameters:
+            return self.shard_of(self.full)
+        self._take_back_own_shard()
+        return self._own_shard
 
     # -- stage 3: parameters persist as a shard, gathered around use ---------------------
 
@@ -204,7 +212,18 @@ class FlatGroup:
     def release(self) -> None:
         """Free the full buffer's storage (stage 3, after use)."""
         self.wait_gathered()
+        self._take_back_own_shard()
         self.full.untyped_storage().resize_(0)
+
+    def _take_back_own_shard(self) -> None:
+        """Give the own shard its storage again, with its values from ``full`` (after a
+        ``gather`` that freed it)."""
+        if self._shard_in_full:
+            self.wait_gathered()
+            storage = self._own_shard.untyped_storage()
+            storage.resize_(self.shard_numel * self._own_shard.element_size())
+            self._own_shard.copy_(self.shard_of(self.full))
+            self._shard_in_full = False
 
     def gather(self, comm, async_op: bool = False) -> None:
         """Re-allocate the full buffer and all-gather every rank's shard into it; with
@@ -219,8 +238,14 @@ class FlatGroup:
             page.page_in()
             self.shard_of(self.full).copy_(self._own_shard)
             page.page_out(write=False)
+        elif self._own_shard.device == self.full.device and not self.shard_being_copied:
+            # while gathered, this rank's values live in full alone: the shard's storage is
+            # freed (its identity kept: optimizer pieces alias it) and refilled by release()
+            self.shard_of(self.full).copy_(self._own_shard)
+            self._own_shard.untyped_storage().resize_(0)
+            self._shard_in_full = True
         else:
-            self.shard_of(self.full).copy_(self._own_shard, non_blocking=True)  # from the host too
+            self.shard_of(self.full).copy_(self._own_shard, non_blocking=True)  # from the host
         self._pending = comm.all_gather(self.full, async_op=async_op)
 
     def wait_gathered(self) -> None:
@@ -294,6 +319,24 @@ class FlatGroup:
             return
         target.add_(p.grad)
         p.grad = target if buffer is self.grad_full and target.dtype == p.dtype else None
+
+    def new_grad_bucket(self, dtype: torch.dtype) -> torch.Tensor:
+        """A full-size gradient bucket for one reduction (stages 2-3), left unwritten except
+        for its padding: each parameter's part is written once by ``move_grad_into_bucket``,
+        so its memory is committed as gradients arrive (and no zero fill is spent)."""
+        bucket = torch.empty(self.padded_numel, dtype=dtype, device=self.device)
+        bucket[self.numel:].zero_()
+        return bucket
+
+    def move_grad_into_bucket(self, bucket: torch.Tensor, slot: int) -> None:
+        """Write ``params[slot].grad`` (zeros if it has none) into its part of ``bucket`` and
+        drop it; called exactly once per parameter and bucket."""
+        p, target = self.params[slot], self.view(bucket, slot)
+        if p.grad is None:
+            target.zero_()
+        else:
+            target.copy_(p.grad)
+            p.grad = None
 
     # -- fp32 master weights (mixed precision) -----------------------------------------
 

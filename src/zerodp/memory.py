@@ -48,8 +48,8 @@ def measure_model_states(engine: "ZeroEngine") -> dict[str, int]:
     """
     out = dict.fromkeys(CATEGORIES, 0)
     for g in engine.flat_groups:
-        persistent = g.shard if g.shards_parameters else g.full
-        out["parameters"] += _nbytes(persistent)
+        numel = g.shard_numel if g.shards_parameters else g.padded_numel
+        out["parameters"] += numel * g.full.element_size()
         if g.shards_parameters:
             out["gathered_parameters"] += g.full.untyped_storage().nbytes()
     for g in engine.trainable:

@@ -131,7 +131,8 @@ class Staging:
     costs more than copying them. The copy does not hold up ``save_checkpoint``: on a GPU it is
     queued on a side stream, on a CPU a background thread makes it. The tensors it copies are
     changed only by the optimizer step, so ``engine.step()`` waits for the copy (``wait_copied``)
-    before updating; forward and backward run meanwhile.
+    before updating; forward and backward run meanwhile (stage 3 keeps each shard's storage
+    while its unit is gathered until the copy is done, instead of freeing it).
     """
 
     ALIGN = 64
@@ -142,6 +143,7 @@ class Staging:
         self._copied = threading.Event()
         self._copied.set()
         self._pending: list = []              # (source parts, destination) for the CPU copy
+        self._groups: list = []               # the flat groups whose shards are being copied
 
     @property
     def nbytes(self) -> int:
@@ -158,6 +160,9 @@ class Staging:
             self._event, self._pending = None, []
             return views
         parts = {spec.name: list(plan.parts_of(spec.name)) for spec in plan.specs}
+        self._groups = plan.engine.flat_groups
+        for g in self._groups:  # stage 3 keeps each shard's storage while gathered until copied
+            g.shard_being_copied = True
         on_gpu = any(p.device.type == "cuda" for ps in parts.values() for p in ps)
         views = self._views(plan, on_gpu)
         work = [(parts[name], views[name]) for name in views]
@@ -199,6 +204,8 @@ class Staging:
                     _copy_parts(ps, out)
         finally:
             self._pending = []
+            for g in self._groups:
+                g.shard_being_copied = False
             self._copied.set()
 
     def wait_copied(self) -> None:
