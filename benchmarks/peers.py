@@ -251,6 +251,9 @@ def _build(system: str, model, gpt, args, world: int) -> Trainer:
     clip = args.clip
     max_norm = clip if clip > 0 else math.inf
     bucket_elems = int(args.bucket_mb * 2**20 / 4)
+    # stage 3's prefetch: one block's elements ahead (FSDP2's fixed depth), or --prefetch-mb
+    prefetch_elems = (sum(p.numel() for p in model.blocks[0].parameters()) if args.prefetch_mb is None
+                      else int(args.prefetch_mb * 2**20 / 4))
 
     def torch_step(forward, params, opt):
         def step(x, y):
@@ -297,7 +300,7 @@ def _build(system: str, model, gpt, args, world: int) -> Trainer:
                 "stage": stage, "overlap_comm": True, "contiguous_gradients": True,
                 "reduce_scatter": True, "reduce_bucket_size": bucket_elems,
                 "allgather_bucket_size": bucket_elems,
-                "stage3_prefetch_bucket_size": bucket_elems, "stage3_max_reuse_distance": 0},
+                "stage3_prefetch_bucket_size": prefetch_elems, "stage3_max_reuse_distance": 0},
         }
         if offload:
             config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
@@ -321,7 +324,7 @@ def _build(system: str, model, gpt, args, world: int) -> Trainer:
             "zero_optimization": {
                 "stage": stage, "overlap_comm": True, "reduce_bucket_size": bucket_elems,
                 "allgather_bucket_size": bucket_elems,
-                "stage3_prefetch_bucket_size": bucket_elems, "stage3_max_reuse_distance": 0},
+                "stage3_prefetch_bucket_size": prefetch_elems, "stage3_max_reuse_distance": 0},
         }
         # the peers' optimizer exactly (torch's default AdamW), not the fused one zerodp builds
         # from an "optimizer" config block, so the step times compare the engines alone; with
@@ -447,6 +450,8 @@ def _launch(system: str, world: int, rep: int, args, log_dir: str) -> Run:
            "--warmup", str(args.warmup), "--micro-batch", str(args.micro_batch),
            "--bucket-mb", str(args.bucket_mb), "--clip", str(args.clip), "--seed", str(args.seed),
            "--nvme-path", args.nvme_path or tempfile.gettempdir()]
+    if args.prefetch_mb is not None:
+        cmd += ["--prefetch-mb", str(args.prefetch_mb)]
     launch = _common.torchrun(__file__, world, cmd, _common.worker_env(world, extra), timeout=args.timeout)
     os.makedirs(log_dir, exist_ok=True)
     with open(os.path.join(log_dir, f"w{world}-{system}-rep{rep}.log"), "w") as f:
@@ -624,7 +629,8 @@ def _header(args, params: Optional[int], seq_len: Optional[int]) -> str:
     seq = f" x {seq_len} tokens" if seq_len else ""
     return (f"model `{args.model}` ({p}fp32), micro-batch {args.micro_batch}{seq} per rank, "
             f"{args.warmup} warm-up + {args.steps} timed steps, {args.reps} repetitions, "
-            f"{args.bucket_mb:g} MiB buckets, gradient clipping {args.clip:g}, gloo on "
+            f"{args.bucket_mb:g} MiB buckets, stage-3 prefetch "
+            f"{'one block' if args.prefetch_mb is None else f'{args.prefetch_mb:g} MiB'}, gradient clipping {args.clip:g}, gloo on "
             f"{os.cpu_count()} CPU cores ({platform.machine()}), {', '.join(versions)}")
 
 
@@ -642,7 +648,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     ap.add_argument("--micro-batch", type=int, default=2, help="sequences per rank per step (default 2)")
     ap.add_argument("--bucket-mb", type=float, default=25.0,
-                    help="gradient bucket / prefetch size in MiB for every system that has one (default 25)")
+                    help="gradient bucket size in MiB for every system that has one (default 25)")
+    ap.add_argument("--prefetch-mb", type=float, default=None,
+                    help="stage 3's prefetch (zerodp and DeepSpeed stage3_prefetch_bucket_size) in MiB "
+                         "(default: one transformer block's parameters, the depth FSDP2 prefetches)")
     ap.add_argument("--clip", type=float, default=1.0,
                     help="global gradient-norm clipping for every system; 0 disables (default 1.0)")
     ap.add_argument("--seed", type=int, default=0)
