@@ -125,6 +125,10 @@ def prefetch_task(group, prefetch: int, reuse: int = 0) -> dict:
         held.append(sum(g._own_shard.untyped_storage().nbytes() for g in engine.flat_groups
                         if g.gathered))
     hooks = [u.module.register_forward_pre_hook(look) for u in engine.units[1:]]
+    # non-root units gathered while the first unit of backward (the last of forward) computes
+    first_backward: list[int] = []
+    hooks.append(engine.units[-1].module.register_full_backward_hook(
+        lambda m, gin, gout: first_backward.append(sum(u.gathered for u in engine.units[1:]))))
     for step in range(3):
         x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank))
         engine.backward(engine(x).pow(2).mean())
@@ -140,7 +144,7 @@ def prefetch_task(group, prefetch: int, reuse: int = 0) -> dict:
     return {"peak": mem["gathered_parameters_peak"], "unit_bytes": unit_bytes, "params": params,
             "units": len(engine.units), "order": engine.prefetcher.order,
             "all_gather": engine.comm_stats()["all_gather"], "shard_bytes_while_gathered": max(held),
-            "shards_back": shards_back}
+            "shards_back": shards_back, "gathered_in_first_backward_unit": first_backward[-1]}
 
 
 class Reorder(nn.Module):

@@ -80,6 +80,9 @@ def test_prefetch_bounds_live_parameters_and_keeps_numbers(pool):
     # meanwhile and refilled when the unit is released
     for res in (off, one, two):
         assert res[0]["shard_bytes_while_gathered"] == 0 and res[0]["shards_back"]
+        # the first unit of backward runs at the step's activation peak: the units after it
+        # are prefetched once it is done, not while it computes
+        assert res[0]["gathered_in_first_backward_unit"] == 1
     for res in (one, two):
         for name, want in off[0]["params"].items():
             assert torch.equal(res[0]["params"][name], want), name

@@ -376,6 +376,7 @@ class ZeroEngine(EngineAPI, nn.Module):
                 if g.unit == unit.index and not self._ready[t]:
                     self._complete_group(t)
         unit.release()
+        self.prefetcher.after_backward(unit)
 
     def _complete_group(self, t: int) -> None:
         """Take gradients whose hooks did not fire (accumulated in no_sync, or none) and mark

@@ -77,7 +77,10 @@ class Prefetcher:
     unit against it and, while it holds, start the all-gathers of the next units (forward
     order; reverse order in backward) as asynchronous collectives, while the units gathered
     ahead of the current one (those prefetched earlier included) hold at most
-    ``bucket_numel`` elements, and never beyond ``max_live_numel`` gathered elements.
+    ``bucket_numel`` elements, and never beyond ``max_live_numel`` gathered elements. The
+    first unit of backward runs at the step's memory peak (every activation is still alive),
+    so the units after it are prefetched when its backward is done rather than while it
+    computes: at most one exposed gather per step, for one unit less at the peak.
     When a forward departs from the recorded order, prefetching stops for that pass and
     the order is recorded again in the next one (prefetching resumes in the one after).
     Every rank takes the same decisions, so the collectives stay in the same order on every
@@ -93,6 +96,7 @@ class Prefetcher:
         self._pos = self._bpos = 0
         self._valid = self._stale = False
         self._last_backward = -1
+        self._deferred: Optional[int] = None  # the first unit of backward: prefetch after it
         self.rerecords = 0
         self.peak_gathered_bytes = 0
         self.gather_wait_s = 0.0  # time spent waiting for units to arrive (exposed gathers)
@@ -101,6 +105,7 @@ class Prefetcher:
         if self._stale:
             self.order, self._stale = None, False
         self._recording, self._pos, self._bpos, self._last_backward = [], 0, 0, -1
+        self._deferred = None
         self._valid = self.order is not None
 
     def end_forward(self) -> None:
@@ -150,13 +155,24 @@ class Prefetcher:
         self._gather_now(unit)
         unit.in_backward = True
         if unit.index != self._last_backward and self.order is not None and self._valid:
+            first = self._last_backward == -1
             self._last_backward = unit.index
             reverse = self.order[::-1]
             while self._bpos < len(reverse) and reverse[self._bpos] != unit.index:
                 self._bpos += 1
             self._bpos += 1
-            self._prefetch(reverse[self._bpos:])
+            if first:  # the step's memory peak: every activation is alive; prefetch once it is done
+                self._deferred = unit.index
+            else:
+                self._prefetch(reverse[self._bpos:])
         self._note_peak()
+
+    def after_backward(self, unit: Unit) -> None:
+        """Backward has gone through ``unit`` (and its gradients' reduction was launched)."""
+        if self._deferred == unit.index:
+            self._deferred = None
+            if self._valid:
+                self._prefetch(self.order[::-1][self._bpos:])
 
     def keep_after_forward(self, unit: Unit) -> bool:
         """Whether ``unit`` should stay gathered after its forward: the recorded order says it
