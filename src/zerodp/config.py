@@ -157,7 +157,7 @@ class ZeroConfig(_Section):
     reduce_scatter: bool = Field(True, description="Stages 1-2: reduce gradients by reduce-scatter (true) or by all-reduce, each rank then keeping its shard (false; same numbers, twice the gradient traffic).")
     allgather_partitions: bool = Field(True, description="Accepted for compatibility: zerodp picks the all-gather form that is fastest on the backend (per-owner broadcasts on gloo, all_gather_single on NCCL).")
     stage3_prefetch_bucket_size: _NonNegative = Field(
-        50_000_000, description="Stage 3: while a unit computes, all-gather the units expected next (recorded forward order; reverse in backward) up to this many elements ahead; 0 disables prefetching.")
+        50_000_000, description="Stage 3: while a unit computes, all-gather the units expected next (recorded forward order; reverse in backward) while the units gathered ahead of it hold at most this many elements (the next unit is always allowed); 0 disables prefetching.")
     stage3_param_persistence_threshold: _NonNegative = Field(
         100_000, description="Stage 3: a module becomes a unit (gathered before its forward and backward, released after) when its parameters not claimed by a unit below it number at least this many elements; smaller modules' parameters go with the enclosing unit, and the root unit stays gathered from forward to the end of backward.")
     stage3_max_live_parameters: _NonNegative = Field(
