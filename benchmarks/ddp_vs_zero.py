@@ -40,7 +40,7 @@ def _worker(args: argparse.Namespace) -> None:
 
     import zerodp
     from zerodp import accelerator
-    from zerodp.collectives import all_gather_numbers
+    from zerodp.core.collectives import all_gather_numbers
     from zerodp.examples import gpt
     from zerodp.examples.gpt import Block, build_gpt
 

@@ -11,7 +11,7 @@ repetitions, medians):
   ``foreach=True`` and with ``fused=True``, on one flat tensor and on 200 pieces (zerodp hands
   the optimizer one piece per parameter);
 * ``zerodp.ops.adam.DeepSpeedCPUAdam`` and the optimizer zerodp builds from a config's
-  ``{"type": "AdamW"}`` block (``zerodp.assemble.build_optimizer``), on the 200 pieces.
+  ``{"type": "AdamW"}`` block (``zerodp.core.assemble.build_optimizer``), on the 200 pieces.
 
 ``--part steps``: the example GPT's step time with no offload, optimizer offload to host
 memory and to disk, against DeepSpeed's ZeRO-Offload, through ``benchmarks/peers.py`` (same
@@ -74,7 +74,7 @@ def _adam_case(n: int, pieces: int, build: Callable[[list], torch.optim.Optimize
 
 
 def _zerodp_config_adamw(params: list) -> torch.optim.Optimizer:
-    from zerodp.assemble import build_optimizer
+    from zerodp.core.assemble import build_optimizer
     from zerodp.config import load_config
     cfg = load_config({"train_batch_size": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
     return build_optimizer(cfg, [{"params": params}], [params], None)

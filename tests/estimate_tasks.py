@@ -6,7 +6,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zerodp
-from zerodp.memory_check import compare_with_engine
+from zerodp.tools.memory_check import compare_with_engine
 
 #: Devices the parameters of the last ``recording_mlp`` were created on.
 BUILT_ON: list[str] = []

@@ -10,7 +10,7 @@ A run is described by a picklable dict ``spec`` (defaults in ``DEFAULT_SPEC``):
 * ``model``: ``"gpt2"`` or ``"llama"``; ``stage``; ``steps``; ``gas``; ``clip``;
   ``precision``: ``"fp32"`` or ``"bf16"``.
 * ``threshold``: ``stage3_param_persistence_threshold``, which decides the stage-3 units
-  (see ``zerodp.fetch.plan_units``). On the GPT-2: ``1`` makes every module with parameters
+  (see ``zerodp.core.gather.plan_units``). On the GPT-2: ``1`` makes every module with parameters
   of its own a unit (each LayerNorm, Conv1D and the position embedding; ``lm_head`` holds
   only the tied weight, so it stays with the root), ``10_000`` makes each ``GPT2Block`` one
   unit (its 12,704 parameters) and nothing else, ``5_000`` makes each ``GPT2MLP`` a unit

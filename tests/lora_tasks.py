@@ -65,7 +65,7 @@ def lora_train(group, stage: int, save_dir: str | None = None, precision: str = 
             engine.step()
     memory = engine.memory_breakdown()
     trainable = [p for p in model.parameters() if p.requires_grad]
-    from zerodp.memory_check import compare_with_engine
+    from zerodp.tools.memory_check import compare_with_engine
     compared = [(c.category, c.estimated, c.measured, c.ok) for c in compare_with_engine(engine)]
     with zerodp.GatheredParameters(list(model.parameters())):
         params = {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from zerodp import cli, train
+from zerodp.tools import cli, train
 from zerodp.config import ConfigError
 
 TRAIN_OPTIONS = ["--nproc", "--preset", "--config", "--model", "--steps", "--micro-batch",
@@ -166,7 +166,7 @@ def test_corpus_too_small_exits_2(capsys):
 
 def test_bad_config_from_the_console_entry_point(tmp_path):
     path = write_json(tmp_path / "bad.json", {"zero_optimization": {"stage": "two"}})
-    proc = subprocess.run([sys.executable, "-m", "zerodp.cli", "train", "--config", path,
+    proc = subprocess.run([sys.executable, "-m", "zerodp.tools.cli", "train", "--config", path,
                            "--preset", "zero2"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "zero_optimization.stage" in proc.stderr
@@ -190,7 +190,7 @@ def test_format_table():
 def test_train_two_processes(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != train.WORKER_ENV}
     proc = subprocess.run(
-        [sys.executable, "-m", "zerodp.cli", "train", "--nproc", "2", "--model", "tiny",
+        [sys.executable, "-m", "zerodp.tools.cli", "train", "--nproc", "2", "--model", "tiny",
          "--steps", "6", "--micro-batch", "2", "--eval-every", "0", "--max-bytes", "200000",
          "--preset", "zero1", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=150, env=env)

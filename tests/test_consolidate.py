@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 import checkpoint_tasks as ct
 import zerodp
-from zerodp import cli
+from zerodp.tools import cli
 from zerodp.checkpoint import consolidate, get_fp32_state_dict_from_zero_checkpoint
 from zerodp.utils import load_state_dict_from_zero_checkpoint
 from zerodp.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict

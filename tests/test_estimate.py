@@ -9,9 +9,9 @@ import json
 import pytest
 
 import zerodp
-from zerodp import cli
-from zerodp.estimator import EstimateError, parse_count, parse_memory
-from zerodp.memory_check import compare_with_engine, format_comparison
+from zerodp.tools import cli
+from zerodp.tools.estimate import EstimateError, parse_count, parse_memory
+from zerodp.tools.memory_check import compare_with_engine, format_comparison
 
 GB = 10**9
 
@@ -365,7 +365,7 @@ def test_estimate_matches_measured_adamw(pool, stage, world, bf16):
 
 
 def test_comparison_flags_a_wrong_estimate():
-    from zerodp.memory_check import Comparison
+    from zerodp.tools.memory_check import Comparison
     assert Comparison("parameters", 100, 110, slack=16).ok
     assert not Comparison("parameters", 100, 117, slack=16).ok
     assert not Comparison("parameters", 100, 99, slack=16).ok

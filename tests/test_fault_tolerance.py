@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from zerodp.train import WORKER_ENV
+from zerodp.tools.train import WORKER_ENV
 
 HERE = Path(__file__).parent
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -208,7 +208,7 @@ def resumed_step(output: str, pattern: str) -> int:
 def reference_weights(tmp_path_factory) -> Path:
     """``zerodp train --nproc 2`` with ``TRAIN_ARGS``, never interrupted: its model.safetensors."""
     d = tmp_path_factory.mktemp("reference")
-    launch = Launch([sys.executable, "-m", "zerodp.cli", "train", "--nproc", "2", *TRAIN_ARGS,
+    launch = Launch([sys.executable, "-m", "zerodp.tools.cli", "train", "--nproc", "2", *TRAIN_ARGS,
                      "--out", str(d / "out")], d / "log.txt", d, torchrun_env=False)
     try:
         assert launch.wait() == 0, launch.output()
@@ -223,9 +223,9 @@ def test_killed_rank_restarts_and_resumes_to_same_weights(tmp_path, launches, re
     restarts both ranks, they resume from ``latest`` and end bit-identical to an uninterrupted
     run. Nothing is set in the environment: zerodp train gives torchrun what a restart needs."""
     out = tmp_path / "out"
-    launch = launches([sys.executable, "-m", "zerodp.cli", "train", "--nproc", "2", "--max-restarts", "1",
+    launch = launches([sys.executable, "-m", "zerodp.tools.cli", "train", "--nproc", "2", "--max-restarts", "1",
                        *TRAIN_ARGS, "--out", str(out)], tmp_path / "log.txt", tmp_path, torchrun_env=False)
-    victim, killed_at = kill_worker_after_first_checkpoint(launch, out / "checkpoints", "zerodp.train",
+    victim, killed_at = kill_worker_after_first_checkpoint(launch, out / "checkpoints", "zerodp.tools.train",
                                                            lambda workers: workers.get(0))
     rc = launch.wait()
     text = launch.output()
@@ -289,11 +289,11 @@ def test_two_nodes_killed_worker_restarts_and_resumes_to_same_weights(tmp_path, 
         cmd = ["ip", "netns", "exec", ns, *TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
                "--rdzv-conf", f"is_host={int(i == 0)}", "--local-addr", addr, "--max-restarts", "1",
-               "-m", "zerodp.train", *TRAIN_ARGS, "--out", str(out)]
+               "-m", "zerodp.tools.train", *TRAIN_ARGS, "--out", str(out)]
         agents.append(launches(cmd, tmp_path / f"node{i}.txt", tmp_path,
                                env={"GLOO_SOCKET_IFNAME": ifname, WORKER_ENV: "1"}))
     victim, killed_at = kill_worker_after_first_checkpoint(
-        agents[1], out / "checkpoints", "zerodp.train", lambda workers: next(iter(workers.values()), None))
+        agents[1], out / "checkpoints", "zerodp.tools.train", lambda workers: next(iter(workers.values()), None))
     codes = wait_all(agents)
     texts = [agent.output() for agent in agents]
     assert codes == [0, 0], "\n\n".join(texts)

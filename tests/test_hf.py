@@ -31,7 +31,7 @@ from hf_tasks import full_spec, reference, train_task  # noqa: E402
 PARAM_ATOL = 2e-6
 NORM_RTOL = 1e-5
 
-# stage3_param_persistence_threshold -> the units zerodp.fetch.plan_units picks on the GPT-2
+# stage3_param_persistence_threshold -> the units zerodp.core.gather.plan_units picks on the GPT-2
 GPT2_LEAF_UNITS = ["", "transformer.wpe"] + [
     f"transformer.h.{i}.{m}" for i in range(2)
     for m in ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj")] + ["transformer.ln_f"]

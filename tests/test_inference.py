@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 import zerodp
-from zerodp import cli
+from zerodp.tools import cli
 from zerodp.examples.gpt import build_gpt
 from zerodp.inference import stream
 

@@ -14,7 +14,7 @@ import pytest
 
 import zerodp
 from monitor_tasks import build_model, make_config, train_and_record
-from zerodp import cli, monitor, plot, train
+from zerodp.tools import cli, monitor, plot, train
 from zerodp.config import ConfigError, load_config
 
 MEM_KEYS = ("parameters", "gradients", "optimizer_states", "master_weights", "model_states")
@@ -308,7 +308,7 @@ def test_plot_errors_exit_2(tmp_path, capsys):
 def test_plot_estimates_follow_the_zero_accounting(tmp_path):
     """zerodp plot draws the ZeRO accounting beside the measured bars: bf16 AdamW, 1000
     parameters on 4 ranks at stage 2 is 2 + 2/4 + 4/4 + 8/4 bytes per parameter."""
-    from zerodp.plot import Run, estimates_for
+    from zerodp.tools.plot import Run, estimates_for
     info = {"zero_stage": 2, "world_size": 4, "compute_dtype": "bf16", "optimizer": "AdamW",
             "trainable_parameters": 1000}
     runs = [Run(tmp_path, tmp_path / "m.csv", info, []), Run(tmp_path, tmp_path / "m.csv", {}, [])]

@@ -23,7 +23,7 @@ import torch
 
 from precision_tasks import (casting_task, gpt_losses_task, modify_gathered_task, overflow_task,
                              reference_mixed, train_mixed)
-from zerodp.precision import LossScaleAtMinimumError, LossScaler
+from zerodp.core.precision import LossScaleAtMinimumError, LossScaler
 
 STEPS = 4
 
@@ -215,7 +215,7 @@ def test_overflow_at_minimum_scale_raises_on_every_rank(pool):
 def test_global_norm_is_accurate_for_large_flat_groups():
     """The engine's sum of squares stays accurate on a 10M-element buffer, where a single fp32
     vector_norm drifts (its error grows with the length)."""
-    from zerodp.engine import squared_l2
+    from zerodp.core.engine import squared_l2
     torch.manual_seed(0)
     x = torch.randn(10_000_003)
     exact = x.double().pow(2).sum().item()

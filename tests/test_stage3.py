@@ -4,7 +4,7 @@ import torch
 
 from stage3_tasks import modify_with_gathered_parameters
 from zerodp.examples.gpt import build_gpt
-from zerodp.fetch import plan_units
+from zerodp.core.gather import plan_units
 
 
 def test_units_skip_containers_and_keep_tied_weights_at_the_root():

@@ -24,14 +24,15 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from . import accelerator, checkpointing, comm, ops, unsupported, utils, zero  # noqa: F401 (DeepSpeed's modules)
+from . import _moved, accelerator, checkpointing, comm, ops, unsupported, utils, zero  # noqa: F401 (DeepSpeed's modules)
 from .checkpoint import CheckpointError
 from .comm import init_distributed
 from .config import PRESETS, Config, ConfigError, load_config, resolve_batch_sizes
-from .data import DataLoader
-from .engine import ZeroEngine
-from .estimator import estimate
-from .fetch import GatheredParameters, register_external_parameter
+from .core.data import DataLoader
+from .core.engine import ZeroEngine
+from .tools.estimate import estimate
+from .tools.monitor import monitor_from_config
+from .core.gather import GatheredParameters, register_external_parameter
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "CheckpointError", "GatheredParameters",
            "register_external_parameter", "ZeroEngine", "DeepSpeedEngine", "Config", "ConfigError",
@@ -41,6 +42,7 @@ __version__ = "0.1.0"
 #: DeepSpeed's engine class name (for ``isinstance`` checks in ported scripts).
 DeepSpeedEngine = ZeroEngine
 unsupported.install()
+_moved.install()
 
 _log = logging.getLogger("zerodp")
 if not _log.handlers:
@@ -121,6 +123,7 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     engine = ZeroEngine(model, cfg, model_parameters=model_parameters, optimizer=optimizer,
                         lr_scheduler=lr_scheduler, process_group=process_group,
                         unit_classes=unit_classes, param_init_fn=param_init_fn)
+    engine.monitor = monitor_from_config(cfg, engine)
     loader = None
     if training_data is not None:
         loader = DataLoader(training_data, batch_size=engine.train_micro_batch_size_per_gpu(),

@@ -9,7 +9,6 @@ they moved.
 from __future__ import annotations
 
 import os
-import weakref
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -17,20 +16,12 @@ import torch
 import torch.distributed as _dist
 from torch.distributed import ReduceOp
 
-from . import accelerator
+from .core.device import backend_for, default_device, init_distributed as _start_group, local_rank
 
 __all__ = ["ReduceOp", "init_distributed", "is_initialized", "is_available", "get_rank", "get_world_size",
            "get_local_rank", "get_global_rank", "get_backend", "barrier", "all_reduce", "broadcast",
            "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce", "gather", "scatter",
            "send", "recv", "isend", "irecv", "new_group", "destroy_process_group", "log_summary"]
-
-_ENGINES: "weakref.WeakSet" = weakref.WeakSet()
-
-
-def register_engine(engine) -> None:
-    """Remember a live engine, for :func:`log_summary`."""
-    _ENGINES.add(engine)
-
 
 def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: bool = True,
                      distributed_port: int = 29500, verbose: bool = True,
@@ -49,7 +40,7 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
     if dist_init_required is False or (_dist.is_available() and _dist.is_initialized()):
         return
     if init_method is not None or (rank >= 0 and world_size > 0):
-        backend = dist_backend or accelerator.backend_for(accelerator.default_device())
+        backend = dist_backend or backend_for(default_device())
         _dist.init_process_group(backend=backend, init_method=init_method or "env://",
                                  rank=rank, world_size=world_size, timeout=timeout)
         return
@@ -57,7 +48,7 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"))
-    accelerator.init_distributed(dist_backend)
+    _start_group(dist_backend)
 
 
 def _free_port() -> int:
@@ -85,7 +76,7 @@ def get_world_size(group=None) -> int:
 
 def get_local_rank() -> int:
     """This process's index on its node (``LOCAL_RANK``)."""
-    return accelerator.local_rank()
+    return local_rank()
 
 
 def get_global_rank(group=None, group_rank: int = 0) -> int:
@@ -162,7 +153,8 @@ def log_summary(show_straggler: bool = False) -> None:
     collective kind (``engine.comm_stats()``; ``show_straggler`` is accepted and ignored)."""
     if get_rank() != 0:
         return
-    for i, engine in enumerate(list(_ENGINES)):
+    from .core.engine import live_engines
+    for i, engine in enumerate(live_engines()):
         stats = engine.comm_stats()
         parts = ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in stats.items())
         print(f"zerodp engine {i} (ZeRO stage {engine.zero_stage}, {engine.world_size} ranks), last step: {parts}",

@@ -32,7 +32,7 @@ from .load import list_tags, load_into_engine, open_source, resolve_tag_dir
 from .source import CheckpointError, Source
 
 if TYPE_CHECKING:
-    from ..engine import ZeroEngine
+    from ..core.engine import ZeroEngine
 
 __all__ = ["CheckpointError", "Source", "consolidate", "get_fp32_state_dict_from_zero_checkpoint",
            "load_state_dict_from_zero_checkpoint", "list_tags", "open_source", "resolve_tag_dir",

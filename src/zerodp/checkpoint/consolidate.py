@@ -33,7 +33,7 @@ from .source import VALUE, CheckpointError, Read, Source
 from .tensorfile import TensorSpec, TensorWriter, write_tensors
 
 if TYPE_CHECKING:
-    from ..engine import ZeroEngine
+    from ..core.engine import ZeroEngine
 
 logger = logging.getLogger("zerodp")
 

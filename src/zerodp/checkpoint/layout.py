@@ -29,12 +29,12 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
 
-from ..flat import FlatGroup, Piece
+from ..core.flat import FlatGroup, Piece
 from .state import encode
 from .tensorfile import TensorSpec, dtype_name
 
 if TYPE_CHECKING:
-    from ..engine import ZeroEngine
+    from ..core.engine import ZeroEngine
 
 FORMAT, VERSION = "zerodp", 1
 

@@ -34,7 +34,7 @@ from .state import decode, restore_rng
 from .tensorfile import FileRecord, TensorFile, _Checksum, dtype_from_name
 
 if TYPE_CHECKING:
-    from ..engine import ZeroEngine
+    from ..core.engine import ZeroEngine
 
 logger = logging.getLogger("zerodp")
 

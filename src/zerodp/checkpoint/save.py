@@ -44,7 +44,7 @@ from .state import capture_rng, encode
 from .tensorfile import FileRecord, TensorWriter, checksum
 
 if TYPE_CHECKING:
-    from ..engine import ZeroEngine
+    from ..core.engine import ZeroEngine
 
 logger = logging.getLogger("zerodp")
 

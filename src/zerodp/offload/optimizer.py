@@ -27,8 +27,8 @@ from typing import Optional
 
 import torch
 
-from ..accelerator import CopiesDone, host_empty
-from ..flat import FlatGroup
+from ..core.device import CopiesDone, host_empty
+from ..core.flat import FlatGroup
 from .host import check_host_budget
 from .swap import PagedTensors, SwapDir
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..flat import FlatGroup
+from ..core.flat import FlatGroup
 from .swap import PagedTensors, SwapDir
 
 

@@ -6,7 +6,7 @@ from typing import Iterable
 from torch import nn
 
 from ..checkpoint.consolidate import get_fp32_state_dict_from_zero_checkpoint, load_state_dict_from_zero_checkpoint
-from ..fetch import LEAF_ATTR, is_leaf
+from ..core.gather import LEAF_ATTR, is_leaf
 
 __all__ = ["get_fp32_state_dict_from_zero_checkpoint", "load_state_dict_from_zero_checkpoint",
            "set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_modules", "z3_leaf_module"]

@@ -24,5 +24,5 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_dir, max_s
 
 
 if __name__ == "__main__":
-    from ..cli import main
+    from ..tools.cli import main
     sys.exit(main(["consolidate", *sys.argv[1:]]))

@@ -33,10 +33,10 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from .config import ZeroConfig
-from .engine import MAX_BUCKETS_IN_FLIGHT
-from .fetch import plan_units
-from .flat import ALIGN_BYTES
+from ..config import ZeroConfig
+from ..core.engine import MAX_BUCKETS_IN_FLIGHT
+from ..core.gather import plan_units
+from ..core.flat import ALIGN_BYTES
 
 __all__ = ["estimate", "Estimate", "Row", "ModelInfo", "TransformerShape", "Accounting",
            "OptimizerSpec", "Activations", "EstimateError", "OPTIMIZERS",

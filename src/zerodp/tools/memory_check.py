@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from .estimator import FP32, EstimateError, ModelInfo, estimate, estimate_buffers
-from .flat import ALIGN_BYTES
+from .estimate import FP32, EstimateError, ModelInfo, estimate_buffers
+from ..core.flat import ALIGN_BYTES
 
 if TYPE_CHECKING:
-    from .engine import ZeroEngine
+    from ..core.engine import ZeroEngine
 
 __all__ = ["Comparison", "compare_with_engine", "format_comparison"]
 

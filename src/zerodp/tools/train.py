@@ -1,6 +1,6 @@
 """The ``zerodp train`` job: train the example byte-level GPT with a ZeRO engine.
 
-This module is the worker: every rank runs :func:`main` (``python -m zerodp.train``, normally
+This module is the worker: every rank runs :func:`main` (``python -m zerodp.tools.train``, normally
 started by ``zerodp train``, which launches ``torch.distributed.run`` underneath). It
 
 1. builds the config from ``--preset`` and/or ``--config`` plus the command-line overrides
@@ -39,14 +39,15 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from . import accelerator, initialize
+from .. import initialize
+from ..core.device import init_distributed, synchronize
 from . import monitor as monitor_module
-from .collectives import all_gather_numbers
-from .config import PRESETS, Config, ConfigError, load_config, resolve_batch_sizes
+from ..core.collectives import all_gather_numbers
+from ..config import PRESETS, Config, ConfigError, load_config, resolve_batch_sizes
 from .memory_check import compare_with_engine
-from .examples.gpt import GPT_PRESETS, Block, ByteCorpus, build_gpt
-from .optim import build_scheduler, check_elementwise, optimizer_factory_from_config
-from .stages import policy_for
+from ..examples.gpt import GPT_PRESETS, Block, ByteCorpus, build_gpt
+from ..optim import build_scheduler, check_elementwise, optimizer_factory_from_config
+from ..core.stages import policy_for
 
 __all__ = ["add_arguments", "to_argv", "check_args", "build_config", "check_config", "format_table",
            "run", "main", "UsageError", "WORKER_ENV"]
@@ -363,7 +364,7 @@ def _mean_over_ranks(value: float, device: torch.device, world: int) -> float:
 
 def run(args: argparse.Namespace) -> int:
     """Train on this rank (inside torchrun, or alone); return the exit code."""
-    distributed = accelerator.init_distributed()
+    distributed = init_distributed()
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
     log = logging.getLogger("zerodp")
@@ -465,7 +466,7 @@ def _train(args: argparse.Namespace, rank: int, world: int) -> int:
                 engine.step()
                 step_loss += loss.item()
             step_loss = _mean_over_ranks(step_loss / gas, device, world)
-            accelerator.synchronize(device)
+            synchronize(device)
             dt = time.perf_counter() - t0
             losses.append(step_loss)
             smoothed = step_loss if smoothed is None else 0.9 * smoothed + 0.1 * step_loss
@@ -554,8 +555,8 @@ def write_weights_and_samples(model_name: str, seed: int, save_dir: Path, out: P
     """Consolidate the newest checkpoint into ``out/model.safetensors``, load it into a plain GPT
     (``strict=True``) and sample a line of text from each of a few prompts into
     ``out/samples.txt``; returns the weights' path and the samples."""
-    from .checkpoint import consolidate
-    from .checkpoint.tensorfile import load_file
+    from ..checkpoint import consolidate
+    from ..checkpoint.tensorfile import load_file
     consolidate(save_dir, out)
     weights = out / "model.safetensors"
     model = build_gpt(model_name)
@@ -579,9 +580,9 @@ def step_generator(seed: int, rank: int, step: int) -> torch.Generator:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """Entry point of ``python -m zerodp.train`` (one rank; see ``zerodp train``)."""
+    """Entry point of ``python -m zerodp.tools.train`` (one rank; see ``zerodp train``)."""
     parser = argparse.ArgumentParser(
-        prog="python -m zerodp.train",
+        prog="python -m zerodp.tools.train",
         description="One rank of `zerodp train` (run it under torchrun, or use `zerodp train`).")
     add_arguments(parser)
     args = parser.parse_args(argv)

@@ -40,8 +40,8 @@ from typing import Any, Optional
 
 import torch
 
-from . import accelerator
-from .config import ConfigError
+from ..core.device import synchronize
+from ..config import ConfigError
 
 __all__ = ["monitor_from_config", "TrainingMonitor", "require_tensorboard", "CSV_NAME", "INFO_NAME",
            "TENSORBOARD_MISSING"]
@@ -216,7 +216,7 @@ class TrainingMonitor:
         if not self.writes or self._closed:
             self._losses = []
             return
-        accelerator.synchronize(engine.device)
+        synchronize(engine.device)
         now = time.perf_counter()
         step_time, self._last = now - self._last, now
         loss = torch.stack(self._losses).mean().item() if self._losses else None
@@ -273,7 +273,7 @@ class TrainingMonitor:
     # -- run_info.json --------------------------------------------------------------------
 
     def _run_info(self, engine: Any) -> dict[str, Any]:
-        from . import __version__
+        from .. import __version__
         groups = getattr(engine, "flat_groups", [])
         cfg = getattr(engine, "config", None)
         return {

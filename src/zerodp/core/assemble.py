@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from .collectives import Comm
-from .config import Config, ConfigError
-from .fetch import external_users
+from ..config import Config, ConfigError
+from .gather import external_users
 from .flat import FlatGroup
-from .optim import build_scheduler, check_elementwise, optimizer_factory_from_config
+from ..optim import build_scheduler, check_elementwise, optimizer_factory_from_config
 
 
 def as_tensor_list(params) -> list:

@@ -5,7 +5,7 @@ a function that adds its options to an ``argparse`` sub-parser, and a function t
 and returns the exit code.
 
 ``zerodp train`` launches ``python -m torch.distributed.run --standalone --nproc-per-node N
--m zerodp.train ...`` underneath (``zerodp.train`` is the per-rank worker) and returns its
+-m zerodp.tools.train ...`` underneath (``zerodp.tools.train`` is the per-rank worker) and returns its
 exit code; with ``--nproc 1`` it trains in this process.
 
 Exit codes: 0 success, 2 usage or configuration error (message, no traceback), 130
@@ -21,6 +21,8 @@ import sys
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional
+
+from . import generate
 
 __all__ = ["main", "build_parser", "COMMANDS", "Command"]
 
@@ -62,7 +64,7 @@ def _worker_env(nproc: int) -> dict[str, str]:
 
 def _run_train(args: argparse.Namespace) -> int:
     from . import train
-    from .config import ConfigError
+    from ..config import ConfigError
 
     if os.environ.get(train.WORKER_ENV) == "1":  # already one of the launched ranks
         return train.main(train.to_argv(args))
@@ -87,7 +89,7 @@ def _run_train(args: argparse.Namespace) -> int:
 
     restarts = ["--max-restarts", str(args.max_restarts)] if args.max_restarts else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", *restarts,
-           "--nproc-per-node", str(args.nproc), "-m", "zerodp.train", *train.to_argv(args)]
+           "--nproc-per-node", str(args.nproc), "-m", "zerodp.tools.train", *train.to_argv(args)]
     return _launch(cmd, _worker_env(args.nproc))
 
 
@@ -180,7 +182,7 @@ def _run_plot(args: argparse.Namespace) -> int:
 def _estimate_add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``zerodp estimate``; values are checked by ``zerodp.estimator`` so that bad
     input gets a one-line message and exit code 2."""
-    from .estimator import ACCOUNTINGS, OPTIMIZERS, PRECISIONS
+    from .estimate import ACCOUNTINGS, OPTIMIZERS, PRECISIONS
     add = parser.add_argument
     add("--model", required=True, help="a parameter count (8B, 7.5B, 350M, 125K), a transformers "
         "config (config.json or its directory), or a factory 'module:function' (built on the meta "
@@ -214,7 +216,7 @@ def _estimate_add_arguments(parser: argparse.ArgumentParser) -> None:
 def _run_estimate(args: argparse.Namespace) -> int:
     import json
 
-    from . import estimator
+    from . import estimate as estimator
     defaults = {}
     if args.reduce_bucket_size is not None:
         defaults["reduce_bucket_size"] = args.reduce_bucket_size
@@ -257,8 +259,8 @@ def _consolidate_add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_consolidate(args: argparse.Namespace) -> int:
-    from .checkpoint import CheckpointError, consolidate
-    from .checkpoint.consolidate import parse_size
+    from ..checkpoint import CheckpointError, consolidate
+    from ..checkpoint.consolidate import parse_size
     try:
         parse_size(args.max_shard_size)
     except ValueError as e:
@@ -277,65 +279,6 @@ def _run_consolidate(args: argparse.Namespace) -> int:
 
 
 # -- zerodp generate ------------------------------------------------------------------------
-
-def _generate_add_arguments(parser: argparse.ArgumentParser) -> None:
-    add = parser.add_argument
-    add("weights", metavar="CKPT_OR_WEIGHTS",
-        help="a checkpoint directory (zerodp's or DeepSpeed's; consolidated into a temporary "
-             "directory first), or a .safetensors file or directory of them (zerodp consolidate)")
-    add("--model", default="small", help="example GPT preset the weights belong to (default: %(default)s)")
-    add("--model-kwargs", default=None, metavar="JSON", help="GPT config overrides, e.g. '{\"n_layer\": 12}'")
-    add("--prompt", default="def ", help="text to continue (UTF-8 bytes; default: %(default)r)")
-    add("--max-new-tokens", type=int, default=64, help="bytes to generate (default: %(default)s)")
-    add("--temperature", type=float, default=0.8, help="sampling temperature (default: %(default)s)")
-    add("--top-k", type=int, default=40, help="sample from the k most likely bytes (default: %(default)s)")
-    add("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
-    add("--threshold", type=int, default=None,
-        help="modules with at least this many parameter elements are streamed (default: 100000)")
-
-
-def _run_generate(args: argparse.Namespace) -> int:
-    import json
-    import tempfile
-    from pathlib import Path
-
-    import torch
-
-    from . import inference, zero
-    from .examples.gpt import build_gpt
-    try:
-        kwargs = json.loads(args.model_kwargs) if args.model_kwargs else {}
-        with zero.Init():
-            model = build_gpt(args.model, **kwargs).eval()
-    except (ValueError, TypeError) as e:
-        _error(str(e), "generate")
-        return 2
-    src = Path(args.weights)
-    with tempfile.TemporaryDirectory() as tmp:
-        if src.is_dir() and not any(src.glob("*.safetensors")):  # a checkpoint: consolidate it first
-            from .checkpoint import CheckpointError, consolidate
-            try:
-                consolidate(src, tmp)
-            except (CheckpointError, OSError) as e:
-                _error(str(e), "generate")
-                return 1
-            src = Path(tmp)
-        try:
-            extra = {} if args.threshold is None else {"threshold": args.threshold}
-            streamed = inference.stream(model, src, **extra)
-        except (FileNotFoundError, KeyError, ValueError) as e:
-            _error(str(e), "generate")
-            return 1
-        idx = torch.tensor([list(args.prompt.encode("utf-8")) or [10]], dtype=torch.long, device=streamed.device)
-        out = streamed.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                                generator=torch.Generator(device=streamed.device).manual_seed(args.seed))
-    print(bytes(out[0].tolist()).decode("utf-8", errors="replace"))
-    note = "" if streamed.streamed else " (no module reaches --threshold: every weight stays loaded)"
-    print(f"[zerodp] streamed {len(streamed.streamed)} modules; at most {streamed.peak_streamed_bytes / 2**20:.2f} "
-          f"MiB of their weights on the device at once, {streamed.resident_bytes / 2**20:.2f} MiB resident{note}",
-          file=sys.stderr)
-    return 0
-
 
 COMMANDS: dict[str, Command] = {
     "train": Command(
@@ -368,8 +311,8 @@ COMMANDS: dict[str, Command] = {
             "(the next one read ahead) and leave after, so at most two modules' weights are in memory "
             "at once. The Python API, zerodp.inference.stream, does the same for any model built in "
             "zerodp.zero.Init(), transformers causal LMs included."),
-        add_arguments=_generate_add_arguments,
-        run=_run_generate,
+        add_arguments=generate.add_arguments,
+        run=generate.run,
     ),
     "plot": Command(
         help="draw charts (loss, learning rate, memory per stage) from runs' metrics CSV files",
@@ -399,7 +342,7 @@ COMMANDS: dict[str, Command] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from .. import __version__
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="zerodp: ZeRO data-parallel training for PyTorch with DeepSpeed-compatible "

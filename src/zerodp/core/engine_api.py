@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from . import accelerator
+from . import device
 from .memory import measure_model_states
 
 
@@ -52,7 +52,7 @@ class EngineAPI:
 
     @property
     def local_rank(self) -> int:
-        return accelerator.local_rank()
+        return device.local_rank()
 
     @property
     def zero_stage(self) -> int:
@@ -90,7 +90,7 @@ class EngineAPI:
         returns once a host copy is staged and writes in the background. Every rank must call
         it. See ``zerodp/checkpoint/save.py``."""
         if self._checkpointer is None:
-            from .checkpoint.save import Checkpointer
+            from ..checkpoint.save import Checkpointer
             self._checkpointer = Checkpointer(self)
         if async_save is None:
             async_save = self.config.checkpoint.async_save
@@ -104,7 +104,7 @@ class EngineAPI:
         at any world size and stage or by DeepSpeed; returns ``(path, client_state)``, or
         ``(None, None)`` when there is no ``latest`` to follow. Every rank must call it."""
         self.wait_for_checkpoint()
-        from .checkpoint import load_checkpoint
+        from ..checkpoint import load_checkpoint
         return load_checkpoint(self, load_dir, tag, load_module_strict=load_module_strict,
                                load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states,
@@ -120,7 +120,7 @@ class EngineAPI:
         """Write the full model's weights in the compute dtype (gathered at stage 3) to
         ``save_dir/save_filename`` from rank 0: safetensors for a ``.safetensors`` name,
         otherwise ``torch.save`` of the state dict. Every rank must call it."""
-        from .checkpoint.consolidate import save_16bit_model
+        from ..checkpoint.consolidate import save_16bit_model
         return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     # -- DeepSpeed's engine queries --------------------------------------------------------

@@ -28,7 +28,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from . import accelerator
+from ..core.device import default_device
 
 __all__ = ["StreamedModel", "stream"]
 
@@ -71,7 +71,7 @@ class StreamedModel(nn.Module):
                  dtype: Optional[torch.dtype] = None, threshold: int = DEFAULT_THRESHOLD) -> None:
         super().__init__()
         self.module = model
-        self.device = device or accelerator.default_device()
+        self.device = device or default_device()
         self.dtype = dtype
         self.weights = _Weights(weights)
         self._lock = threading.Lock()  # one reader of the files at a time (main and read-ahead threads)

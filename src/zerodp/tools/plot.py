@@ -343,7 +343,7 @@ def estimates_for(runs: Sequence[Run]) -> list[Optional[dict[str, float]]]:
     """The ZeRO accounting of each run's stage, world size, dtype, optimizer and trainable
     parameter count (``zerodp.estimate``), for drawing beside the measured bars; None for a
     run whose run_info lacks one of them or names an optimizer the estimator does not know."""
-    from .estimator import EstimateError, estimate
+    from .estimate import EstimateError, estimate
     out: list[Optional[dict[str, float]]] = []
     for r in runs:
         info = r.info

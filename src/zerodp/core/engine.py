@@ -41,16 +41,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import accelerator, comm as _ds_comm
+from .device import default_device, synchronize
 from .collectives import Comm, Handle
-from .config import Config, ConfigError, resolve_batch_sizes
+from ..config import Config, ConfigError, resolve_batch_sizes
 from .engine_api import EngineAPI
 from .assemble import (adopt_replaced_params, broadcast_initial_state, build_flat_groups, build_lr_scheduler,
                        build_optimizer, user_param_groups)
-from .fetch import (Prefetcher, Unit, external_users, initialize_meta_units, install_external_hooks,
+from .gather import (Prefetcher, Unit, external_users, initialize_meta_units, install_external_hooks,
                     install_unit_hooks, plan_units, register_params)
-from .monitor import monitor_from_config
-from .offload import OptimizerOffload, ParamOffload, group_cap
+from ..offload import OptimizerOffload, ParamOffload, group_cap
 from .plain_loop import PlainLoop
 from .precision import LossScaler, PrecisionPolicy
 from .stages import StagePolicy, policy_for
@@ -59,6 +58,14 @@ logger = logging.getLogger("zerodp")
 
 #: Stage 2 keeps at most this many full-size gradient buckets in flight during backward.
 MAX_BUCKETS_IN_FLIGHT = 2
+
+
+_LIVE: "weakref.WeakSet[ZeroEngine]" = weakref.WeakSet()
+
+
+def live_engines() -> list["ZeroEngine"]:
+    """The engines alive in this process (for ``zerodp.comm.log_summary``)."""
+    return list(_LIVE)
 
 
 #: Elements per row when summing squares (see ``squared_l2``).
@@ -142,7 +149,7 @@ class ZeroEngine(EngineAPI, nn.Module):
         self.overlap_comm = config.zero_optimization.overlap_comm_effective
         (self._train_batch_size, self._micro_batch_size,
          self._gas) = resolve_batch_sizes(config, self.dp_world_size)
-        self.device = accelerator.default_device()
+        self.device = default_device()
         self.precision = PrecisionPolicy.from_config(config)
         self.precision.cast_model(model)
         self.loss_scaler: Optional[LossScaler] = (LossScaler.from_config(config.fp16)
@@ -211,7 +218,7 @@ class ZeroEngine(EngineAPI, nn.Module):
             pieces_by_group[g.param_group].extend(pieces)
         self.optimizer = build_optimizer(config, groups, pieces_by_group, optimizer)
         self._plain = PlainLoop(self)  # before the scheduler, which wraps optimizer.step
-        _ds_comm.register_engine(self)  # for zerodp.comm.log_summary()
+        _LIVE.add(self)  # for zerodp.comm.log_summary()
         self.lr_scheduler = build_lr_scheduler(config, self.optimizer, lr_scheduler)
 
         self._hooks = [p.register_post_accumulate_grad_hook(_grad_hook(self, t, i))
@@ -226,7 +233,7 @@ class ZeroEngine(EngineAPI, nn.Module):
         self.peak_bucket_bytes = 0
         self._timings: dict[str, list[float]] = defaultdict(list)
         self._reset_backward_state()
-        self.monitor = monitor_from_config(config, self)
+        self.monitor = None  # the metrics writer, set by zerodp.initialize (tools/monitor.py)
         self.training_dataloader = None  # set by zerodp.initialize(training_data=...)
         self._in_engine_backward = False
         self._step_applied = False
@@ -272,10 +279,10 @@ class ZeroEngine(EngineAPI, nn.Module):
         if not self.config.wall_clock_breakdown:
             yield
             return
-        accelerator.synchronize(self.device)
+        synchronize(self.device)
         t0 = time.perf_counter()
         yield
-        accelerator.synchronize(self.device)
+        synchronize(self.device)
         self._timings[name].append(time.perf_counter() - t0)
 
     def forward(self, *args, **kwargs):
