@@ -32,7 +32,7 @@ from .core.data import DataLoader
 from .core.engine import ZeroEngine
 from .tools.estimate import estimate
 from .tools.monitor import monitor_from_config
-from .core.gather import GatheredParameters, register_external_parameter
+from .core.param_api import GatheredParameters, register_external_parameter
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "CheckpointError", "GatheredParameters",
            "register_external_parameter", "ZeroEngine", "DeepSpeedEngine", "Config", "ConfigError",

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
-from .core.gather import GatheredParameters, register_external_parameter
+from .core.param_api import GatheredParameters, register_external_parameter
 
 __all__ = ["Init", "GatheredParameters", "register_external_parameter"]
 

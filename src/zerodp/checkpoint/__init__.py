@@ -16,7 +16,9 @@ The modules, in the order a save or load uses them:
 * ``save.py``      per-rank writes, atomic commit, asynchronous save
 * ``source.py``    a checkpoint opened for reading, whatever wrote it
 * ``load.py``      finding the tag, zerodp's reader, resharding into an engine
-* ``deepspeed.py`` DeepSpeed's checkpoints as a source (allow-listed unpickling)
+* ``deepspeed.py`` DeepSpeed's checkpoints as a source: their metadata and reads
+* ``deepspeed_files.py`` their files, recognised and checked (allow-listed unpickling)
+* ``deepspeed_layout.py`` where each parameter lies in their ZeRO partitions
 * ``consolidate.py`` full weights, streamed; DeepSpeed's zero_to_fp32 names; save_16bit_model
 """
 from __future__ import annotations

@@ -14,71 +14,29 @@ A tag directory (``ckpt/global_step4/``) holds:
   (``bf16_zero_pp_rank_R_...`` for bf16 runs), whose ``optimizer_state_dict`` holds that
   rank's fp32 partitions and the base optimizer's state of them.
 
-Stages 1 and 2 (``single_partition_of_fp32_groups``): per param group, the trainable
-parameters are concatenated in ``param_shapes`` order (with ``param_alignment_paddings``
-after each) and padded to a multiple of ``2 * world_size``; rank R owns the slice
-``[R * P, (R + 1) * P)`` of that flat vector. The ZeRO optimizer saves it without the
-trailing padding (``group_paddings`` says how much, so ``P`` is rank 0's length plus its
-padding); DeepSpeed's ``BF16_Optimizer`` (bf16 with fp32 gradient accumulation at stage 1,
-recognisable by the missing ``zero_stage`` key) saves full slices. The base optimizer's state
-tensors (``base_optimizer_state``: a torch ``state_dict`` with one flat parameter per group,
-or with ``elastic_checkpoint`` a list of per-group state dicts) are laid out like the slice.
-
-Stage 3 (``fp32_flat_groups``): every parameter is partitioned on its own into
-``ceil(numel / world_size)`` elements per rank (the last rank's part padded), and each rank
-concatenates its parts of the parameters of a sub group (``param_shapes`` has one map per sub
-group). The base optimizer holds one flat tensor per sub group; its param groups list the
-sub groups they own. Frozen parameters are partitioned the same way, one fragment per rank
-in that rank's model states file.
-
 DeepSpeed writes pickles. They are read only with ``torch.load(weights_only=True,
 mmap=True)``, with stand-in classes registered under the names of the few DeepSpeed types
 they hold (``pickles.ALLOWED_GLOBALS``); a file naming any other non-torch global is refused
 before it is unpickled. Every file is opened at most once, when first needed, and its tensors
 stay memory-mapped.
+
+The files are found and checked in ``deepspeed_files.py``, and the partition layout of stages
+1, 2 and 3 is worked out in ``deepspeed_layout.py``; this module opens the files and reads the
+metadata and the values through the Source view.
 """
 from __future__ import annotations
 
 import enum
-import math
-import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
 
+from .deepspeed_files import (MODEL_FILE, OPTIM_FILE, STAGE3_MODEL_FILE, _OPTIM_RE, _STAGE3_MODEL_RE,
+                              _DeepSpeedFiles, _files, is_deepspeed_checkpoint)
+from .deepspeed_layout import _DeepSpeedLayout, _Piece
 from .pickles import load_pickle
 from .source import VALUE, CheckpointError, EngineState, OptimizerInfo, ParamInfo, Read, Source
-
-MODEL_FILE = "mp_rank_00_model_states.pt"
-STAGE3_MODEL_FILE = "zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
-OPTIM_FILE = "{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
-
-_OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
-_STAGE3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
-
-
-# ----------------------------------------------------------------------------- detection
-
-def _files(tag_dir: Path) -> list[str]:
-    try:
-        return [p.name for p in tag_dir.iterdir() if p.is_file()]
-    except OSError:
-        return []
-
-
-def is_deepspeed_checkpoint(tag_dir: Union[str, Path]) -> bool:
-    """Whether ``tag_dir`` is a tag directory written by DeepSpeed's ``save_checkpoint``: it
-    holds ``mp_rank_00_model_states.pt`` or per-rank ``zero_pp_rank_*`` model or optimizer
-    state files."""
-    tag_dir = Path(tag_dir)
-    if not tag_dir.is_dir():
-        return False
-    return any(n == MODEL_FILE or _OPTIM_RE.match(n) or _STAGE3_MODEL_RE.match(n) for n in _files(tag_dir))
-
-
-# ----------------------------------------------------------------------------- helpers
 
 #: Top-level keys DeepSpeed itself writes into the model states file; the rest is client_state.
 _ENGINE_KEYS = frozenset({
@@ -106,10 +64,6 @@ def _json(value: Any) -> Any:
     return str(value)
 
 
-def _numel(shape) -> int:
-    return math.prod(int(s) for s in shape)
-
-
 def _is_elementwise(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() >= 1
 
@@ -122,27 +76,9 @@ def _scalar(value: Any) -> Optional[float]:
     return None
 
 
-def _enabled(cfg: dict, *keys: str) -> bool:
-    return any(isinstance(cfg.get(k), dict) and bool(cfg[k].get("enabled", False)) for k in keys)
-
-
-@dataclass(frozen=True)
-class _Piece:
-    """Elements ``[elem, elem + length)`` of a parameter stored at ``[local, local + length)``
-    of a flat tensor: flat group ``where`` of rank ``rank``'s optimizer file (trainable), or
-    the frozen fragment of that parameter in rank ``rank``'s model states (``where`` None)."""
-
-    rank: int
-    where: Optional[int]
-    local: int
-    elem: int
-    length: int
-
-
-# ----------------------------------------------------------------------------- the source
-
-class DeepSpeedSource(Source):
-    """A DeepSpeed ZeRO 1/2/3 checkpoint (see the module docstring), opened from its tag
+class DeepSpeedSource(_DeepSpeedFiles, _DeepSpeedLayout, Source):
+    """A DeepSpeed ZeRO 1/2/3 checkpoint (see the docstrings of this module and of
+    ``deepspeed_layout``), opened from its tag
     directory (or from the directory above it, through its ``latest`` file).
 
     Values of trainable parameters are the fp32 master partitions; frozen parameters come in
@@ -265,207 +201,6 @@ class DeepSpeedSource(Source):
         if path not in self._cache:
             self._cache[path] = load_pickle(path)
         return self._cache[path]
-
-    def _optim_dict(self, path: Path) -> dict:
-        sd = self._load(path)
-        if not isinstance(sd, dict) or not isinstance(sd.get("optimizer_state_dict"), dict):
-            raise CheckpointError(f"{path} does not hold a DeepSpeed optimizer_state_dict")
-        return sd["optimizer_state_dict"]
-
-    def _optim_file(self, rank: int) -> Path:
-        return self.path / OPTIM_FILE.format(prefix=self._optim_prefix, rank=rank)
-
-    def _model_file(self, rank: int) -> Path:
-        return self.path / (STAGE3_MODEL_FILE.format(rank=rank) if self.zero_stage == 3 else MODEL_FILE)
-
-    def _rank_optim(self, rank: int) -> dict:
-        path = self._optim_file(rank)
-        fresh = path not in self._cache
-        opt = self._optim_dict(path)
-        if fresh and rank != 0:
-            try:
-                self._check_rank_layout(rank, opt, path)
-            except CheckpointError:
-                del self._cache[path]
-                raise
-        return opt
-
-    def _refuse_unsupported_files(self, names: list[str]) -> None:
-        for n in names:
-            if n.startswith("layer_") and n.endswith("model_states.pt"):
-                raise CheckpointError(f"{self.path / n}: pipeline-parallel checkpoints (per-layer files) "
-                                      "are not supported")
-            if n.startswith(("expert_", "expp_rank_")):
-                raise CheckpointError(f"{self.path / n}: checkpoints of MoE expert parameters are not supported")
-            m = _OPTIM_RE.match(n) or _STAGE3_MODEL_RE.match(n)
-            if (m and int(m.groups()[-1]) != 0) or re.match(r"^mp_rank_(?!00_)\d+_model_states\.pt$", n):
-                raise CheckpointError(f"{self.path / n}: tensor/model-parallel checkpoints (mp_rank > 0) "
-                                      "are not supported")
-        if (self.path / "offloaded_tensors").exists():
-            raise CheckpointError(f"{self.path}: checkpoints with NVMe-offloaded optimizer state "
-                                  "(offloaded_tensors/) are not supported")
-
-    def _world_hint(self, names: list[str]) -> str:
-        """How many ranks wrote the checkpoint, as far as the files that are there tell."""
-        for n in sorted(names):
-            try:
-                if _OPTIM_RE.match(n):
-                    counts = self._optim_dict(self.path / n).get("partition_count")
-                    counts = counts if isinstance(counts, list) else [counts]
-                    return f"{max(counts)} ranks"
-                if _STAGE3_MODEL_RE.match(n):
-                    return f"{self._load(self.path / n)['dp_world_size']} ranks"
-            except (CheckpointError, KeyError, TypeError, ValueError):
-                continue
-        return "an unknown number of ranks"
-
-    def _check_parallelism(self, model: dict, file: Path) -> None:
-        mp = model.get("mp_world_size", 1)
-        dims = model.get("checkpoint_parallel_dimensions") or {}
-        degrees = {"model parallel": mp, "tensor parallel": dims.get("tp_degree", 1),
-                   "pipeline parallel": dims.get("pp_degree", 1)}
-        for what, degree in degrees.items():
-            if isinstance(degree, int) and degree > 1:
-                raise CheckpointError(f"{file}: written with {what} degree {degree}; only pure data-parallel "
-                                      "ZeRO checkpoints are supported")
-
-    def _check_rank_files(self, names: list[str], optim_ranks: dict[int, str]) -> None:
-        ws = self.world_size
-        for r in range(ws):
-            f = self._optim_file(r)
-            if not f.is_file():
-                raise CheckpointError(f"{f} is missing: the checkpoint was written by {ws} ranks and every "
-                                      "rank's optimizer file is needed")
-            if self._stage3_files:
-                f = self.path / STAGE3_MODEL_FILE.format(rank=r)
-                if not f.is_file():
-                    raise CheckpointError(f"{f} is missing: the checkpoint was written by {ws} ranks and every "
-                                          "rank's model states file is needed at ZeRO stage 3")
-        beyond = sorted(r for r, n in optim_ranks.items() if r >= ws and n.startswith(self._optim_prefix))
-        if beyond:
-            raise CheckpointError(f"{self.path} holds optimizer files of ranks {beyond}, but the checkpoint was "
-                                  f"written by {ws} ranks: files left from another checkpoint are mixed in")
-
-    def _find_compute_dtype(self, names: list[str]) -> str:
-        cfg = self._ds_config
-        if _enabled(cfg, "bf16", "bfloat16"):
-            return "bf16"
-        if _enabled(cfg, "fp16"):
-            return "fp16"
-        if cfg:
-            return "fp32"
-        if any(n.startswith("bf16_zero_pp_rank_") for n in names):
-            return "bf16"
-        module = self._model0.get("module") or {}
-        dtypes = {v.dtype for v in module.values() if isinstance(v, torch.Tensor) and v.is_floating_point()}
-        return "fp16" if torch.float16 in dtypes else "fp32"
-
-    # ------------------------------------------------------------------ layout
-
-    def _layout_stage12(self, param_shapes: list, opt0: dict, rank0: Path) -> None:
-        flats = opt0.get("single_partition_of_fp32_groups")
-        if not isinstance(flats, list) or len(flats) != len(param_shapes):
-            raise CheckpointError(f"{rank0}: single_partition_of_fp32_groups does not match the "
-                                  f"{len(param_shapes)} param groups of param_shapes")
-        paddings = opt0.get("group_paddings") or [0] * len(flats)
-        align = opt0.get("param_alignment_paddings")
-        ws = self.world_size
-        for g, shapes in enumerate(param_shapes):
-            part = flats[g].numel() + (0 if self._padded_partitions else int(paddings[g]))
-            offset = 0
-            for i, (name, shape) in enumerate(shapes.items()):
-                n = _numel(shape)
-                pieces = []
-                for r in (range(offset // part, (offset + n - 1) // part + 1) if n else ()):
-                    lo, hi = max(offset, r * part), min(offset + n, (r + 1) * part)
-                    pieces.append(_Piece(r, g, lo - r * part, lo - offset, hi - lo))
-                self._add_trainable(str(name), pieces, g, g, tuple(int(s) for s in shape))
-                offset += n + (int(align[g][i]) if align else 0)
-            if part * ws < offset:
-                raise CheckpointError(f"{rank0}: param group {g} holds {offset} elements but {ws} partitions "
-                                      f"of {part}: a stage-{self.zero_stage} layout this reader does not know")
-            if self._padded_partitions:
-                self._expected_len.append([part] * ws)
-            else:
-                self._expected_len.append([min(part, max(0, offset - r * part)) for r in range(ws)])
-
-    def _layout_stage3(self, param_shapes: list, opt0: dict, rank0: Path) -> None:
-        flats = opt0.get("fp32_flat_groups")
-        base = opt0.get("optimizer_state_dict")
-        if not isinstance(flats, list) or len(flats) != len(param_shapes) or not isinstance(base, dict):
-            raise CheckpointError(f"{rank0}: fp32_flat_groups does not match the {len(param_shapes)} sub "
-                                  "groups of param_shapes")
-        owner: dict[int, int] = {}
-        for g, group in enumerate(base.get("param_groups", [])):
-            for idx in group.get("params", []):
-                owner[int(idx)] = g
-        if sorted(owner) != list(range(len(flats))):
-            raise CheckpointError(f"{rank0}: the optimizer's param groups own sub groups {sorted(owner)}, "
-                                  f"not the {len(flats)} sub groups saved; a layout this reader does not know")
-        ws = self.world_size
-        for s, shapes in enumerate(param_shapes):
-            local = 0
-            for name, shape in shapes.items():
-                n = _numel(shape)
-                part = math.ceil(n / ws)
-                pieces = [_Piece(r, s, local, r * part, min(part, n - r * part))
-                          for r in range(ws) if n - r * part > 0]
-                self._add_trainable(str(name), pieces, owner[s], s, tuple(int(x) for x in shape))
-                local += part
-            self._expected_len.append([local] * ws)
-
-    def _add_trainable(self, name: str, pieces: list[_Piece], group: int, flat: int, shape: tuple) -> None:
-        if name in self._pieces:
-            raise CheckpointError(f"{self.path}: parameter {name} appears twice in param_shapes")
-        self._pieces[name] = pieces
-        self._group_of[name] = group
-        self._flat_of[name] = flat
-        self._shapes[name] = shape
-
-    def _layout_frozen(self, model: dict) -> tuple[dict[str, tuple], dict[str, torch.dtype]]:
-        """Shapes and dtypes of the parameters outside the optimizer, and their pieces: at stage 3
-        one fragment per rank, below stage 3 the whole tensor (``frozen_param_fragments`` or the
-        module state dict) in the rank-0 model states."""
-        shapes: dict[str, tuple] = {}
-        dtypes: dict[str, torch.dtype] = {}
-        frozen = model.get("frozen_param_shapes")
-        fragments = model.get("frozen_param_fragments") or {}
-        module = model.get("module") or {}
-        buffers = set(model.get("buffer_names") or ())
-        aliases = set((model.get("shared_params") or {}).keys())
-        if frozen is None and self.zero_stage < 3:
-            frozen = {n: t.shape for n, t in module.items() if isinstance(t, torch.Tensor)
-                      and n not in buffers and n not in aliases and n not in self._pieces}
-        for name, shape in (frozen or {}).items():
-            name, shape = str(name), tuple(int(s) for s in shape)
-            n = _numel(shape)
-            stored = fragments.get(name, module.get(name))
-            if n and not isinstance(stored, torch.Tensor):
-                raise CheckpointError(f"{self._model_file(0)}: frozen parameter {name} has no stored value")
-            shapes[name] = shape
-            dtypes[name] = stored.dtype if isinstance(stored, torch.Tensor) else torch.float32
-            if self.zero_stage == 3:
-                part = math.ceil(n / self.world_size)
-                self._pieces[name] = [_Piece(r, None, 0, r * part, min(part, n - r * part))
-                                      for r in range(self.world_size) if n - r * part > 0]
-            else:
-                self._pieces[name] = [_Piece(0, None, 0, 0, n)] if n else []
-        return shapes, dtypes
-
-    def _check_rank_layout(self, rank: int, opt: dict, path: Path) -> None:
-        """A rank's file must hold the partition sizes its rank 0 layout implies."""
-        key = "fp32_flat_groups" if self.zero_stage == 3 else "single_partition_of_fp32_groups"
-        flats = opt.get(key)
-        want = [lens[rank] for lens in self._expected_len]
-        got = [t.numel() for t in flats] if isinstance(flats, list) else None
-        if got != want:
-            raise CheckpointError(f"{path}: {key} holds partitions of {got} elements where the layout of the "
-                                  f"checkpoint (rank 0, param_shapes, {self.world_size} ranks) implies {want}")
-        counts = opt.get("partition_count")
-        counts = counts if isinstance(counts, list) else [counts]
-        if any(c != self.world_size for c in counts):
-            raise CheckpointError(f"{path}: partition_count {opt.get('partition_count')} differs from rank 0's "
-                                  f"{self.world_size}")
 
     # ------------------------------------------------------------------ metadata
 

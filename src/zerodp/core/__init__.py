@@ -1,7 +1,8 @@
 """The engine: the training step and what it is made of.
 
 ``engine`` (forward, backward, step), ``reduce`` (gradient reduction), ``gather`` (stage-3
-units: gather, release, prefetch), ``flat`` (flat groups), ``stages`` (what each stage shards,
+units: gather, release, prefetch), ``param_api`` (``GatheredParameters``,
+``register_external_parameter``), ``flat`` (flat groups), ``stages`` (what each stage shards,
 as data), ``precision``, ``collectives`` (every collective, with byte counts), ``assemble``
 (building the engine's pieces), ``memory`` (the ledger), ``plain_loop`` (``loss.backward();
 optimizer.step()``), ``data`` (the resumable loader), ``device`` (device and backend choice).

@@ -12,18 +12,21 @@ it stays gathered from the start of forward to the end of backward.
 
 Only module hooks and tensor hooks are used; nothing of torch or of the user's classes is
 patched.
+
+What user code calls (``GatheredParameters``, ``register_external_parameter``) is in
+``param_api.py``; its names can be imported from here too.
 """
 from __future__ import annotations
 
-import contextlib
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .flat import FlatGroup
+from .param_api import (GatheredParameters, external_users, register_external_parameter,  # noqa: F401
+                        register_params)
 
 if TYPE_CHECKING:
     from .collectives import Comm
@@ -404,27 +407,6 @@ def initialize_meta_units(units: list[Unit], seed: int, device: torch.device,
 
 # -- parameters used outside their unit ----------------------------------------------------------
 
-_EXTERNAL_ATTR = "_zerodp_external_parameters"
-
-
-def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
-    """Declare that ``module``'s forward uses ``parameter`` although another module owns it
-    (DeepSpeed's API of the same name), e.g. a parent that reads ``self.child.weight``.
-
-    At stage 3 the unit holding ``parameter`` is then gathered, and kept gathered, for the
-    whole forward of ``module``, and gathered again when backward reaches ``module``'s
-    outputs. Call it before or after ``zerodp.initialize``; at stages 0-2 it changes nothing.
-    """
-    registered = module.__dict__.setdefault(_EXTERNAL_ATTR, [])
-    if all(p is not parameter for p in registered):
-        registered.append(parameter)
-
-
-def external_users(model: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]]:
-    """Modules of ``model`` with parameters registered by ``register_external_parameter``."""
-    return [(m, m.__dict__[_EXTERNAL_ATTR]) for m in model.modules() if m.__dict__.get(_EXTERNAL_ATTR)]
-
-
 def install_external_hooks(module: nn.Module, units: list[Unit], prefetcher: Prefetcher) -> list:
     """Keep ``units`` gathered around ``module``'s forward, and gather them again when
     backward reaches its outputs."""
@@ -453,56 +435,3 @@ def install_external_hooks(module: nn.Module, units: list[Unit], prefetcher: Pre
         return output
 
     return [module.register_forward_pre_hook(pre_forward), module.register_forward_hook(post_forward)]
-
-
-# -- GatheredParameters -----------------------------------------------------------------------
-
-_GROUP_OF: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
-
-
-def register_params(groups: Iterable[FlatGroup], comm: "Comm", sharded: bool) -> None:
-    """Remember which flat group holds each parameter (for ``GatheredParameters``)."""
-    for g in groups:
-        for p in g.params:
-            _GROUP_OF[p] = (g, comm, sharded)
-
-
-@contextlib.contextmanager
-def GatheredParameters(params: Any, modifier_rank: Optional[int] = None, enabled: bool = True):
-    """Gather full parameters for the duration of the context (DeepSpeed's API).
-
-    ``params``: a parameter or an iterable of them (parameters zerodp does not manage are
-    left alone). Inside, they hold their full values on every rank. With ``modifier_rank``,
-    that rank's values on exit (e.g. after an in-place initialization) are broadcast to every
-    rank and become the new shards; otherwise edits are discarded at stage 3. Every rank of
-    the data-parallel group must enter the context with the same parameters.
-    """
-    if not enabled:
-        yield
-        return
-    if isinstance(params, torch.Tensor):
-        params = [params]
-    seen, entries = set(), []
-    for p in params:
-        entry = _GROUP_OF.get(p)
-        if entry is not None and id(entry[0]) not in seen:
-            seen.add(id(entry[0]))
-            entries.append(entry)
-    gathered_here = []
-    for g, comm, sharded in entries:
-        if sharded and not g.gathered:
-            g.gather(comm)
-            gathered_here.append(g)
-    try:
-        yield
-    finally:
-        for g, comm, sharded in entries:
-            if modifier_rank is not None:
-                with torch.no_grad():
-                    comm.broadcast(g.full, src_rank=modifier_rank)
-                    if sharded:
-                        with g.swapped_in():
-                            g.shard.copy_(g.shard_of(g.full))
-                    g.refresh_master()
-        for g in gathered_here:
-            g.release()

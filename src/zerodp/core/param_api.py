@@ -1,0 +1,94 @@
+"""Stage 3's parameter API for user code (DeepSpeed's names): :func:`GatheredParameters` gives
+parameters their full values for the duration of a context, :func:`register_external_parameter`
+declares that a module's forward uses a parameter another module owns. With them, what the
+engine records for them: which flat group holds each parameter (:func:`register_params`) and
+which modules registered external parameters (:func:`external_users`)."""
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any, Iterable, Optional
+
+import torch
+from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .flat import FlatGroup
+
+if TYPE_CHECKING:
+    from .collectives import Comm
+
+
+# -- parameters used outside their unit ----------------------------------------------------------
+
+_EXTERNAL_ATTR = "_zerodp_external_parameters"
+
+
+def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """Declare that ``module``'s forward uses ``parameter`` although another module owns it
+    (DeepSpeed's API of the same name), e.g. a parent that reads ``self.child.weight``.
+
+    At stage 3 the unit holding ``parameter`` is then gathered, and kept gathered, for the
+    whole forward of ``module``, and gathered again when backward reaches ``module``'s
+    outputs. Call it before or after ``zerodp.initialize``; at stages 0-2 it changes nothing.
+    """
+    registered = module.__dict__.setdefault(_EXTERNAL_ATTR, [])
+    if all(p is not parameter for p in registered):
+        registered.append(parameter)
+
+
+def external_users(model: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+    """Modules of ``model`` with parameters registered by ``register_external_parameter``."""
+    return [(m, m.__dict__[_EXTERNAL_ATTR]) for m in model.modules() if m.__dict__.get(_EXTERNAL_ATTR)]
+
+
+# -- GatheredParameters -----------------------------------------------------------------------
+
+_GROUP_OF: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+
+
+def register_params(groups: Iterable[FlatGroup], comm: "Comm", sharded: bool) -> None:
+    """Remember which flat group holds each parameter (for ``GatheredParameters``)."""
+    for g in groups:
+        for p in g.params:
+            _GROUP_OF[p] = (g, comm, sharded)
+
+
+@contextlib.contextmanager
+def GatheredParameters(params: Any, modifier_rank: Optional[int] = None, enabled: bool = True):
+    """Gather full parameters for the duration of the context (DeepSpeed's API).
+
+    ``params``: a parameter or an iterable of them (parameters zerodp does not manage are
+    left alone). Inside, they hold their full values on every rank. With ``modifier_rank``,
+    that rank's values on exit (e.g. after an in-place initialization) are broadcast to every
+    rank and become the new shards; otherwise edits are discarded at stage 3. Every rank of
+    the data-parallel group must enter the context with the same parameters.
+    """
+    if not enabled:
+        yield
+        return
+    if isinstance(params, torch.Tensor):
+        params = [params]
+    seen, entries = set(), []
+    for p in params:
+        entry = _GROUP_OF.get(p)
+        if entry is not None and id(entry[0]) not in seen:
+            seen.add(id(entry[0]))
+            entries.append(entry)
+    gathered_here = []
+    for g, comm, sharded in entries:
+        if sharded and not g.gathered:
+            g.gather(comm)
+            gathered_here.append(g)
+    try:
+        yield
+    finally:
+        for g, comm, sharded in entries:
+            if modifier_rank is not None:
+                with torch.no_grad():
+                    comm.broadcast(g.full, src_rank=modifier_rank)
+                    if sharded:
+                        with g.swapped_in():
+                            g.shard.copy_(g.shard_of(g.full))
+                    g.refresh_master()
+        for g in gathered_here:
+            g.release()

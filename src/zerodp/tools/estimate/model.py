@@ -1,0 +1,171 @@
+"""The model as the estimator sees it: parameters counted from a count, a module, a factory
+``module:function`` or a ``transformers`` config (both built on the meta device), its stage-3
+units, and the transformer shape activations depend on."""
+from __future__ import annotations
+
+import importlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+from torch import nn
+
+from ...core.gather import plan_units
+from .inputs import DEFAULT_PERSISTENCE, EstimateError, parse_count
+
+
+@dataclass(frozen=True)
+class TransformerShape:
+    """What activation memory depends on: layers, hidden size, heads, vocabulary, MLP width
+    and the context length the model was built for."""
+
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    ffn: int
+    context: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """A model as the estimator sees it. Unit sizes are stage 3's, planned by
+    ``zerodp.fetch.plan_units`` with the default ``stage3_param_persistence_threshold``."""
+
+    description: str
+    source: str  # "count", "factory", "transformers" or "module"
+    params: int
+    trainable_params: int
+    largest_param: Optional[int] = None
+    root_unit: Optional[int] = None
+    largest_unit: Optional[int] = None
+    transformer: Optional[TransformerShape] = None
+
+
+_SHAPE_NAMES = {"layers": ("num_hidden_layers", "n_layer", "num_layers"),
+                "hidden": ("hidden_size", "n_embd", "d_model"),
+                "heads": ("num_attention_heads", "n_head"),
+                "vocab": ("vocab_size",),
+                "ffn": ("intermediate_size", "n_inner", "ffn_dim"),
+                "context": ("max_position_embeddings", "n_positions", "block_size")}
+
+
+def _config_int(config: Any, names: tuple[str, ...]) -> Optional[int]:
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def transformer_shape(config: Any) -> Optional[TransformerShape]:
+    """The shape of a transformer from its config (a ``transformers`` config or zerodp's
+    ``GPTConfig``), or None when the config lacks layers, hidden size, heads or vocabulary."""
+    found = {key: _config_int(config, names) for key, names in _SHAPE_NAMES.items()}
+    if None in (found["layers"], found["hidden"], found["heads"], found["vocab"]):
+        return None
+    found["ffn"] = found["ffn"] or 4 * found["hidden"]
+    return TransformerShape(**found)
+
+
+def describe_model(model: nn.Module, description: str = "module", source: str = "module",
+                   persistence_threshold: int = DEFAULT_PERSISTENCE) -> ModelInfo:
+    """Count a model's parameters (tied ones once) and plan its stage-3 units; works on the
+    meta device, where nothing is allocated."""
+    params = list(model.parameters())
+    _, unit_of = plan_units(model, persistence_threshold)
+    units: dict[int, int] = {}
+    for p in params:
+        units[unit_of[id(p)]] = units.get(unit_of[id(p)], 0) + p.numel()
+    config = getattr(model, "config", None)
+    return ModelInfo(
+        description=description, source=source,
+        params=sum(p.numel() for p in params),
+        trainable_params=sum(p.numel() for p in params if p.requires_grad),
+        largest_param=max((p.numel() for p in params), default=0),
+        root_unit=units.get(0, 0),
+        largest_unit=max((n for u, n in units.items() if u != 0), default=0),
+        transformer=transformer_shape(config) if config is not None else None)
+
+
+def _model_kwargs(kwargs: Union[None, str, dict]) -> dict:
+    if kwargs is None or isinstance(kwargs, dict):
+        return dict(kwargs or {})
+    try:
+        value = json.loads(kwargs)
+    except json.JSONDecodeError as e:
+        raise EstimateError("model_kwargs", f"{kwargs!r} is not valid JSON ({e.msg}); allowed: "
+                                            'a JSON object, e.g. \'{"preset": "small"}\'') from None
+    if not isinstance(value, dict):
+        raise EstimateError("model_kwargs", f"{kwargs!r} is not a JSON object; allowed: "
+                                            'a JSON object, e.g. \'{"preset": "small"}\'')
+    return value
+
+
+def _build_from_factory(spec: str, kwargs: dict) -> nn.Module:
+    """Import ``module:function`` and call it with ``kwargs`` on the meta device."""
+    module_name, _, func_name = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise EstimateError("model", f"cannot import {module_name!r} for factory {spec!r}: {e}") from None
+    factory = getattr(module, func_name, None)
+    if not callable(factory):
+        raise EstimateError("model", f"{module_name} has no function {func_name!r} (factory {spec!r})")
+    try:
+        with torch.device("meta"):
+            model = factory(**kwargs)
+    except Exception as e:  # the factory is user code: report whatever it raised, in one line
+        raise EstimateError("model", f"{spec}(**{kwargs}) failed: {type(e).__name__}: {e}") from None
+    if not isinstance(model, nn.Module):
+        raise EstimateError("model", f"{spec} returned a {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def _build_from_transformers_config(path: Path) -> nn.Module:
+    """``AutoModelForCausalLM.from_config`` on the meta device, from a local config.json."""
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise EstimateError("model", f"directory {str(path)!r} holds no config.json")
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        raise EstimateError("model", "a transformers config needs the transformers package "
+                            "(pip install transformers)") from None
+    try:
+        config = AutoConfig.from_pretrained(str(file))
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+    except Exception as e:  # transformers raises many kinds for a config it cannot use
+        raise EstimateError("model", f"cannot build a causal LM from {str(file)!r}: "
+                            f"{type(e).__name__}: {e}") from None
+
+
+def resolve_model(model: Union[str, int, nn.Module, ModelInfo], model_kwargs=None) -> ModelInfo:
+    """A :class:`ModelInfo` from a parameter count, a path to a transformers config (file or
+    directory), a factory ``module:function``, or a module."""
+    if isinstance(model, ModelInfo):
+        return model
+    if isinstance(model, nn.Module):
+        return describe_model(model, type(model).__name__)
+    if isinstance(model, int) and not isinstance(model, bool):
+        model = str(model)
+    text = str(model).strip()
+    kwargs = _model_kwargs(model_kwargs)
+    factory = re.fullmatch(r"[\w.]+:\w+", text) is not None and not Path(text).exists()
+    if kwargs and not factory:
+        raise EstimateError("model_kwargs", f"{kwargs} given for model {text!r}; allowed only "
+                                            "with a factory model 'module:function'")
+    if re.fullmatch(r"[\d.eE+-]+\s*[KMBGTkmbgt]?", text):
+        count = parse_count(text)
+        return ModelInfo(text, "count", count, count)
+    if Path(text).exists():
+        return describe_model(_build_from_transformers_config(Path(text)), text, "transformers")
+    if factory:
+        return describe_model(_build_from_factory(text, kwargs), text, "factory")
+    raise EstimateError("model", f"{text!r} is neither a parameter count (e.g. 8B, 7.5B, 350M, 125K), "
+                        "an existing transformers config (config.json or a directory holding one) "
+                        "nor a factory 'module:function'")

@@ -1,0 +1,159 @@
+"""The estimate: :func:`estimate` checks its input, computes every configuration's row and
+recommends the fastest one that fits; :class:`Estimate` holds the result."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Optional, Union
+
+from torch import nn
+
+from ...core.flat import ALIGN_BYTES
+from .accounting import Accounting, OptimizerSpec, _optimizer, make_accounting
+from .activations import Activations, estimate_activations
+from .buffers import Buffers, estimate_buffers
+from .inputs import (DEFAULT_MAX_LIVE, DEFAULT_REDUCE_BUCKET, _element_count, _positive_int,
+                     parse_memory)
+from .model import ModelInfo, resolve_model
+from .report import _gb, format_estimate
+from .stages import ROW_KEYS, Row, _with_fit, estimate_row
+
+#: Fastest first: lower stages communicate less; offload runs the optimizer on the CPU.
+RECOMMENDATION_ORDER = [(0, "none"), (1, "none"), (2, "none"), (3, "none"), (2, "optimizer"),
+                        (3, "optimizer"), (3, "optimizer+params")]
+
+
+@dataclass
+class Estimate:
+    """Everything ``zerodp estimate`` prints; :meth:`to_dict` for JSON, :meth:`format` for text."""
+
+    model: ModelInfo
+    nodes: int
+    ranks_per_node: int
+    precision: str
+    optimizer: OptimizerSpec
+    accounting: Accounting
+    device_memory: Optional[int]
+    cpu_memory: Optional[int]
+    buffers: Buffers
+    activations: Activations
+    rows: list[Row]
+    recommendation: Optional[Row]
+    reason: str
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    def row(self, stage: int, offload: str = "none") -> Row:
+        """The row of ``stage`` with ``offload``."""
+        return next(r for r in self.rows if (r.stage, r.offload) == (stage, offload))
+
+    def to_dict(self) -> dict:
+        rec = self.recommendation
+        return {
+            "model": asdict(self.model),
+            "nodes": self.nodes, "ranks_per_node": self.ranks_per_node, "world_size": self.world_size,
+            "precision": self.precision,
+            "optimizer": asdict(self.optimizer),
+            "accounting": {**asdict(self.accounting), "k": self.accounting.k,
+                           "description": self.accounting.describe(self.optimizer),
+                           "formulas": self.accounting.formulas()},
+            "device_memory": self.device_memory, "cpu_memory_per_node": self.cpu_memory,
+            "units": "bytes per rank unless named per node",
+            "buffers": asdict(self.buffers),
+            "activations": asdict(self.activations),
+            "rows": [r.to_dict() for r in self.rows],
+            "recommendation": None if rec is None else {"stage": rec.stage, "offload": rec.offload,
+                                                        "label": rec.label},
+            "reason": self.reason,
+            "notes": self.notes,
+        }
+
+    def format(self) -> str:
+        """The human-readable report."""
+        return format_estimate(self)
+
+
+def _recommend(rows: list[Row], device_memory: Optional[int], cpu_memory: Optional[int],
+               activations: Activations) -> tuple[Optional[Row], str]:
+    """The fastest configuration that fits, and a one-line reason."""
+    if device_memory is None:
+        return None, "no device memory given: pass it to check which configurations fit"
+    by_key = {(r.stage, r.offload): r for r in rows}
+    act = ("activations included" if activations.bytes is not None
+           else "activations not included")
+    for key in RECOMMENDATION_ORDER:
+        row = by_key[key]
+        if row.fits:
+            return row, _reason(row, by_key, device_memory, act)
+    last = by_key[RECOMMENDATION_ORDER[-1]]
+    if last.fits_device:
+        return None, (f"nothing fits: the device side fits only with offload, and the CPU side "
+                      f"needs {_gb(last.cpu_per_node)} per node even at {last.label} "
+                      f"(> {_gb(cpu_memory)} CPU memory); use more nodes or more CPU memory")
+    return None, (f"nothing fits: even {last.label} needs {_gb(last.device_total)} per device "
+                  f"(> {_gb(device_memory)}; {act}); use more ranks, a smaller micro-batch or "
+                  "sequence, activation checkpointing, or smaller reduce_bucket_size / "
+                  "stage3_max_live_parameters")
+
+
+def _reason(row: Row, by_key: dict, device_memory: int, act: str) -> str:
+    need = f"{_gb(row.device_total)} of {_gb(device_memory)} per device, {act}"
+    if row.offload == "none":
+        if row.stage == 0:
+            return f"plain data parallelism fits ({need}); it communicates least"
+        below = by_key[(row.stage - 1, "none")]
+        return (f"the lowest stage that fits ({need}); stage {below.stage} needs "
+                f"{_gb(below.device_total)}, and lower stages communicate less")
+    cpu = (f"{_gb(row.cpu_per_node)} CPU memory per node" +
+           ("" if row.fits_cpu is not None else ", not checked: no CPU memory given"))
+    return (f"no stage fits on the device alone (stage 3 needs "
+            f"{_gb(by_key[(3, 'none')].device_total)}); the fastest offload that fits ({need}; "
+            f"{cpu}); offload runs the optimizer step on the CPU and is often 2-3x slower")
+
+
+def estimate(model: Union[str, int, nn.Module, ModelInfo], *, nodes: int = 1, ranks_per_node: int = 1,
+             device_memory: Union[None, str, int] = None, cpu_memory: Union[None, str, int] = None,
+             precision: str = "bf16", optimizer: Union[str, OptimizerSpec] = "adamw",
+             accounting: Optional[str] = None, micro_batch: Optional[int] = None,
+             seq_len: Optional[int] = None, checkpointing: bool = False,
+             model_kwargs: Union[None, str, dict] = None,
+             reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET,
+             max_live_parameters: int = DEFAULT_MAX_LIVE) -> Estimate:
+    """Per-rank memory of ZeRO stages 0-3, with and without offload, and a recommendation.
+
+    ``model``: a parameter count (``"7.5B"`` or an int), a path to a ``transformers`` config
+    (``config.json`` or its directory), a factory ``"module:function"`` (called with
+    ``model_kwargs``, a dict or JSON object, on the meta device), or a module. ``device_memory``
+    and ``cpu_memory`` (per node) are sizes such as ``"80GB"``/``"24GiB"`` or bytes.
+    ``accounting``: ``"mixed"`` (default for bf16/fp16), ``"no-master"``, or ``"fp32"``
+    (the only one for fp32). Raises :class:`EstimateError` for input it cannot use.
+    """
+    nodes = _positive_int(nodes, "nodes")
+    ranks_per_node = _positive_int(ranks_per_node, "ranks_per_node")
+    micro_batch = None if micro_batch is None else _positive_int(micro_batch, "micro_batch")
+    seq_len = None if seq_len is None else _positive_int(seq_len, "seq_len")
+    reduce_bucket_size = _element_count(reduce_bucket_size, "reduce_bucket_size")
+    max_live_parameters = _element_count(max_live_parameters, "max_live_parameters")
+    device = None if device_memory is None else parse_memory(device_memory, "device_memory")
+    cpu = None if cpu_memory is None else parse_memory(cpu_memory, "cpu_memory")
+    spec = _optimizer(optimizer)
+    acc = make_accounting(precision, spec, accounting)
+    info = resolve_model(model, model_kwargs)
+    n = nodes * ranks_per_node
+    acts = estimate_activations(info, precision, micro_batch, seq_len, checkpointing)
+    buffers = estimate_buffers(info, acc.params, reduce_bucket_size, max_live_parameters)
+    rows = [_with_fit(estimate_row(acc, info, stage, off, n, ranks_per_node, buffers, acts.bytes),
+                      device, cpu) for stage, off in ROW_KEYS]
+    rec, reason = _recommend(rows, device, cpu, acts)
+    notes = [acts.note] if acts.bytes is None else []
+    notes.append("stage 0 with offload is shown for comparison only (zerodp offloads from stage 1; "
+                 "stage 2 with offload keeps less on the device for the same CPU memory, so it is "
+                 "recommended instead of stages 0-1)")
+    notes.append("offload to disk (device \"nvme\") keeps the CPU column in files instead, with at most "
+                 "three tiles of sub_group_size elements of it in CPU memory at once")
+    notes.append(f"padding: each flat group is padded to N shards of a multiple of {ALIGN_BYTES} "
+                 f"bytes, under {ALIGN_BYTES} bytes per shard per group")
+    return Estimate(info, nodes, ranks_per_node, precision, spec, acc, device, cpu, buffers, acts,
+                    rows, rec, reason, notes)

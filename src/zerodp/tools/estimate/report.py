@@ -1,0 +1,102 @@
+"""The estimate as text: the table of configurations and the report ``zerodp estimate`` prints."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from .recommend import Estimate
+    from .stages import Row
+
+
+def _num(n: int) -> str:
+    return f"{n:,}"
+
+
+def _gb(b: Optional[int]) -> str:
+    """Bytes in GB (1e9) with one decimal, or in MB, KB or bytes when below 0.1 GB."""
+    if b is None:
+        return "?"
+    for unit, size in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if b >= size // 10:
+            return f"{b / size:.1f} {unit}"
+    return f"{b} bytes"
+
+
+def _unit_for(largest: int) -> tuple[str, int]:
+    for name, size in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if largest >= size:
+            return name, size
+    return "B", 1
+
+
+def _fits_text(row: Row) -> str:
+    if row.fits_device is None:
+        return "?"
+    if not row.fits_device:
+        return "no"
+    if row.fits_cpu is False:
+        return "no (CPU)"
+    return "yes (CPU unchecked)" if row.offload != "none" and row.fits_cpu is None else "yes"
+
+
+def _table(est: Estimate) -> list[str]:
+    unit, size = _unit_for(est.row(0).model_states)  # the largest model states set the unit
+
+    def cell(b: Optional[int]) -> str:
+        if b is None:
+            return "-"
+        return f"{b / size:.1f}" if size > 1 else str(b)
+
+    head = ["configuration", "params", "grads", "master", "optim", "states", "buffers",
+            "activ", "device", "CPU/node", "fits"]
+    lines = [[r.label, cell(r.parameters), cell(r.gradients), cell(r.master_weights),
+              cell(r.optimizer_states), cell(r.model_states), cell(r.buffers), cell(r.activations),
+              cell(r.device_total), cell(r.cpu_per_node) if r.offload != "none" else "-",
+              _fits_text(r)] for r in est.rows]
+    widths = [max(len(x[i]) for x in [head] + lines) for i in range(len(head))]
+
+    def fmt(cols: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i in (0, len(cols) - 1) else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cols, widths))).rstrip()
+    legend = (f"{unit} per rank ({unit} = {size:,} bytes); states = params + grads + master + "
+              "optim (optimizer states); device = states + buffers + activ (activations); "
+              "CPU/node = offloaded states of all ranks of a node")
+    return [legend, fmt(head)] + [fmt(x) for x in lines]
+
+
+_SOURCES = {"count": "a parameter count", "factory": "a factory, built on the meta device",
+            "transformers": "a transformers config, built on the meta device", "module": "a module"}
+
+
+def format_estimate(est: Estimate) -> str:
+    """The report ``zerodp estimate`` prints."""
+    m, acc = est.model, est.accounting
+    device = _gb(est.device_memory) if est.device_memory else "not given"
+    cpu = _gb(est.cpu_memory) if est.cpu_memory else "not given"
+    trained = "" if m.trainable_params == m.params else f", {_num(m.trainable_params)} trainable"
+    lines = [
+        f"model: {m.description} ({_SOURCES[m.source]}): {_num(m.params)} parameters{trained}",
+        f"ranks: {est.nodes} node(s) x {est.ranks_per_node} = {est.world_size}; precision "
+        f"{est.precision}; optimizer {est.optimizer.name}; device memory {device}; "
+        f"CPU memory per node {cpu}",
+        f"accounting: {acc.describe(est.optimizer)}",
+        f"  model states per rank: {acc.formulas()} (Ψ parameters, N = {est.world_size} ranks)",
+        "",
+        *_table(est),
+        "",
+        "buffers (stages 2-3, in 'buffers' above):",
+        f"  gradient buckets: stage 2 {_gb(est.buffers.buckets_stage2)}, stage 3 "
+        f"{_gb(est.buffers.buckets_stage3)}: {est.buffers.bucket_note}",
+        f"  gathered parameters (stage 3): {_gb(est.buffers.gathered)} = {est.buffers.gathered_note}",
+    ]
+    a = est.activations
+    if a.bytes is None:
+        lines.append(f"activations: {a.note}; 'fits' counts model states and buffers only")
+    else:
+        lines += [f"activations: {_gb(a.bytes)} per rank (micro-batch {a.micro_batch}, sequence "
+                  f"{a.seq_len}; per layer {_gb(a.per_layer)}, logits {_gb(a.logits)}), included in 'fits'",
+                  f"  formula: {a.formula}", f"  {a.note}"]
+    lines += [f"note: {n}" for n in est.notes if n != a.note]
+    label = est.recommendation.label if est.recommendation else "none"
+    lines.append(f"recommendation: {label}: {est.reason}")
+    return "\n".join(lines)
