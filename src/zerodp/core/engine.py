@@ -200,7 +200,7 @@ class ZeroEngine(EngineAPI, nn.Module):
             self._setup_units(unit_plan, meta, param_init_fn)
         register_params(self.flat_groups, self.comm, sharded=self.policy.shard_parameters)
         for g in self.trainable:
-            g.allocate_gradients(keep_full=not self.policy.shard_gradients,
+            g.allocate_gradients(keep_full=self.policy.full_gradient_buffer,
                                  dtype=self.precision.grad_dtype(g.dtype))
 
         # offload: fp32 masters and optimizer states on the host or disk, the step there (offload/)
@@ -287,13 +287,14 @@ class ZeroEngine(EngineAPI, nn.Module):
 
     def forward(self, *args, **kwargs):
         with self._timed("forward"):
-            if self.units:  # stage 3: the root unit stays gathered until backward ends
+            stage3 = self.policy.shard_parameters
+            if stage3:  # the root unit stays gathered until backward ends
                 self.units[0].gather()
                 self.prefetcher.start_forward()
             args, kwargs = self.precision.cast_inputs((args, kwargs))
-            with _explain_released_parameters(bool(self.units)):
+            with _explain_released_parameters(stage3):
                 out = self.module(*args, **kwargs)
-            if self.units:
+            if stage3:
                 self.prefetcher.end_forward()
                 if not torch.is_grad_enabled():  # no backward follows: release prefetched units too
                     for unit in self.units:
@@ -311,7 +312,7 @@ class ZeroEngine(EngineAPI, nn.Module):
         scaled = loss / self._gas if self._gas > 1 else loss
         if self.loss_scaler is not None:  # in fp32, so a 16-bit loss times the scale cannot overflow
             scaled = scaled.float() * self.loss_scaler.scale
-        with self._timed("backward"), _explain_released_parameters(bool(self.units)):
+        with self._timed("backward"), _explain_released_parameters(self.policy.shard_parameters):
             self._in_engine_backward = True
             try:
                 scaled.backward(retain_graph=retain_graph)
@@ -337,7 +338,7 @@ class ZeroEngine(EngineAPI, nn.Module):
     def _grad_buffer(self, t: int) -> torch.Tensor:
         """Where group ``t``'s gradients are gathered before reduction."""
         g = self.trainable[t]
-        if g.grad_full is not None:
+        if self.policy.full_gradient_buffer:
             return g.grad_full
         if t not in self._buckets:
             self._buckets[t] = g.new_grad_bucket(self.precision.comm_dtype(g.grad_dtype))
@@ -351,7 +352,7 @@ class ZeroEngine(EngineAPI, nn.Module):
         g = self.trainable[t]
         self._used[t][i] = True
         if not self._reducing:
-            if g.grad_full is not None:
+            if self.policy.full_gradient_buffer:
                 g.fold_param_grad_into(g.grad_full, i)
             return
         if self._seen[t][i]:
@@ -367,7 +368,7 @@ class ZeroEngine(EngineAPI, nn.Module):
                 "encloses every use its unit (initialize(unit_classes=...))")
         self._seen[t][i] = True
         self._take_grad(t, i)
-        if all(self._seen[t]) and not self.units:
+        if all(self._seen[t]) and not self.policy.reduces_per_unit:
             self._mark_ready(t)  # stage 3 launches per unit, in _on_unit_backward_done
 
     def _on_unit_backward_done(self, unit: Unit) -> None:
@@ -397,7 +398,7 @@ class ZeroEngine(EngineAPI, nn.Module):
         """Move parameter ``i``'s gradient into group ``t``'s reduction buffer: added into
         the full gradient buffer (stages 0-1), written into the bucket (stages 2-3)."""
         g = self.trainable[t]
-        if g.grad_full is not None:
+        if self.policy.full_gradient_buffer:
             g.fold_param_grad_into(g.grad_full, i)
         else:
             g.move_grad_into_bucket(self._grad_buffer(t), i)
@@ -415,7 +416,7 @@ class ZeroEngine(EngineAPI, nn.Module):
             collective = self.comm.all_reduce_sum
         else:
             collective = self.comm.reduce_scatter_sum
-        if g.grad_full is not None:  # stages 0-1: the full buffer stays, reduced in place
+        if self.policy.full_gradient_buffer:  # stages 0-1: the full buffer stays, reduced in place
             comm_dtype = self.precision.comm_dtype(buf.dtype)
             if comm_dtype == buf.dtype:
                 self._handles.append(collective(buf, async_op=self.overlap_comm))

@@ -66,7 +66,8 @@ def measure_model_states(engine: "ZeroEngine") -> dict[str, int]:
                 out[key] += _nbytes(value)
     out["gradient_buckets"] = sum(_nbytes(b) for b in engine._buckets.values())
     out["gradient_buckets_peak"] = engine.peak_bucket_bytes
-    out["gathered_parameters_peak"] = engine.prefetcher.peak_gathered_bytes if engine.units else 0
+    out["gathered_parameters_peak"] = (engine.prefetcher.peak_gathered_bytes
+                                       if engine.policy.shard_parameters else 0)
     out["model_states"] = (out["parameters"] + out["gradients"] + out["master_weights"]
                            + out["optimizer_states"])
     off = getattr(engine, "offload", None)
