@@ -69,8 +69,7 @@ class PlainLoop:
         engine = self._engine()
         self.active = True
         self.backward_seen = True
-        engine._reset_backward_state()
-        engine._reducing = engine.policy.reduce_every_micro_batch and not engine._in_no_sync
+        engine.reducer.begin(engine.policy.reduce_every_micro_batch and not engine._in_no_sync)
         Variable._execution_engine.queue_callback(self.end)
 
     def end(self) -> None:
@@ -79,15 +78,14 @@ class PlainLoop:
         if engine is None:
             return
         try:
-            if engine._reducing:
-                engine._finish_reduction()
+            if engine.reducer.reducing:
+                engine.reducer.finish()
             else:
                 self.local_grads = True
             for unit in engine.units:
                 unit.release()
                 unit.pending_backward = 0
         finally:
-            engine._reducing = False
             self.active = False
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
@@ -106,12 +104,8 @@ class PlainLoop:
                 "fp16 training in a plain loop: the loss was not scaled, so small gradients flush to "
                 "zero and overflows go unseen. Call engine.scale(loss).backward() instead of "
                 "loss.backward() (or use engine.backward(loss) and engine.step())")
-        if self.local_grads:
-            engine._reset_backward_state()
-            engine._reducing = True
-            try:
-                engine._finish_reduction()
-            finally:
-                engine._reducing = False
+        if self.local_grads:  # one reduction of what the backward passes accumulated
+            engine.reducer.begin(True)
+            engine.reducer.finish()
         self.local_grads = self.backward_seen = self.scaled = False
         engine._update(count_micro_step=False)

@@ -11,7 +11,8 @@ The engine is one machine for every stage; a ``StagePolicy`` tells it:
 
 Code branches on these fields, never on the state of a buffer, to tell stages apart.
 
-What happens to a gradient, stage by stage (``engine.py`` runs it; ``collectives.py`` moves it):
+What happens to a gradient, stage by stage (``engine.py`` runs the step, ``reduce.py`` the
+reduction; ``collectives.py`` moves the bytes):
 
 =====  ====================  ===================================  =========================
 stage  gradient storage      reduction                            after the optimizer step
@@ -60,7 +61,7 @@ class StagePolicy:
     @property
     def reduces_per_unit(self) -> bool:
         """Gradients are reduced per stage-3 unit, when backward has gone through it, not per
-        group as soon as its last gradient arrives."""
+        group as soon as its last gradient arrives (see ``reduce.py``)."""
         return self.shard_parameters
 
     @property

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from ..config import ZeroConfig
-from ..core.engine import MAX_BUCKETS_IN_FLIGHT
+from ..core.reduce import MAX_BUCKETS_IN_FLIGHT
 from ..core.gather import plan_units
 from ..core.flat import ALIGN_BYTES
 
