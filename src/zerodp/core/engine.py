@@ -340,6 +340,11 @@ class ZeroEngine(EngineAPI, nn.Module):
         unit.release()
         self.prefetcher.after_backward(unit)
 
+    @property
+    def in_no_sync(self) -> bool:
+        """Whether backward passes run inside ``no_sync()`` now (they do not communicate)."""
+        return self._in_no_sync
+
     @contextlib.contextmanager
     def no_sync(self):
         """Backward passes inside this context do not communicate; gradients accumulate
@@ -368,16 +373,17 @@ class ZeroEngine(EngineAPI, nn.Module):
                 "step() at a gradient-accumulation boundary, but that micro-batch's gradients were "
                 "not reduced: its backward ran inside no_sync() or engine.backward was not called. "
                 "Run the boundary micro-batch's backward outside no_sync().")
-        self._update(count_micro_step=True)
+        self.update_parameters(count_micro_step=True)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """For a plain loop under fp16: ``engine.scale(loss).backward()`` (the loss times the
         current loss scale, in fp32; the loss itself without fp16). See ``plain_loop.py``."""
         return self._plain.scale(loss)
 
-    def _update(self, count_micro_step: bool) -> None:
-        """The update and its bookkeeping: from ``step()`` at an accumulation boundary, or from
-        ``optimizer.step()`` in a plain loop (which sets the micro-step count to match)."""
+    def update_parameters(self, count_micro_step: bool) -> None:
+        """The update and its bookkeeping, on gradients already reduced: called by ``step()`` at
+        an accumulation boundary, and by ``optimizer.step()`` in a plain loop (which sets the
+        micro-step count to match); scripts call those, not this."""
         with self._timed("step"):
             self._apply_update()
         self.global_steps += 1
