@@ -39,7 +39,8 @@ from .flat import FlatGroup
 from .precision import PrecisionPolicy
 from .stages import StagePolicy
 
-#: Stage 2 keeps at most this many full-size gradient buckets in flight during backward.
+#: Stages 2-3 keep at most this many full-size gradient buckets in flight during backward (plus
+#: the ones still filling).
 MAX_BUCKETS_IN_FLIGHT = 2
 
 

@@ -9,7 +9,7 @@ The engine is one machine for every stage; a ``StagePolicy`` tells it:
   completes, or as backward leaves a stage-3 unit);
 * whether updated shards are all-gathered after the step.
 
-Code branches on these fields, never on the state of a buffer, to tell stages apart.
+The engine and the reducer tell stages apart by these fields, never by the state of a buffer.
 
 What happens to a gradient, stage by stage (``engine.py`` runs the step, ``reduce.py`` the
 reduction; ``collectives.py`` moves the bytes):
