@@ -1,20 +1,23 @@
 """The training-loop verbs: forward, backward, step — one engine for every ZeRO stage.
 
-A gradient's journey (stage policy in ``stages.py``, collectives in ``collectives.py``):
+A gradient's journey (stage policy in ``stages.py``, reduction in ``reduce.py``, collectives
+in ``collectives.py``):
 
-1. ``backward(loss)`` scales the loss by 1/gradient_accumulation_steps and runs autograd.
-2. As autograd finishes each parameter, its post-accumulate-grad hook (``_on_grad_ready``)
-   moves the gradient into its flat group's gradient buffer: at stages 0-1 ``p.grad`` already
-   *is* a view of the group's full gradient buffer; at stage 2 it is copied into a
-   temporary bucket buffer and dropped.
-3. In a backward that reduces (every one at stage 2, the accumulation boundary's at stages
-   0-1, never inside ``no_sync()``), a group whose parameters all have gradients is
-   *ready*; ready groups are launched in group order (the same order on every rank) —
-   all-reduce at stage 0, reduce-scatter at stages 1-2 — asynchronously when
-   ``overlap_comm`` is on, so communication runs while backward goes on.
-4. When autograd returns, groups that never became ready (parameters unused in this
-   step) are launched too, and all handles are awaited; stage 2 adds each reduced bucket
-   shard into the persistent gradient shard and frees the bucket.
+1. ``backward(loss)`` scales the loss by 1/gradient_accumulation_steps, tells the
+   ``GradReducer`` whether this backward reduces (every one at stages 2-3, the accumulation
+   boundary's at stages 0-1, never inside ``no_sync()``) and runs autograd.
+2. As autograd finishes each parameter, its post-accumulate-grad hook hands the gradient to
+   the reducer (``GradReducer.on_grad``), which moves it into its flat group's gradient
+   buffer: at stages 0-1 ``p.grad`` already *is* a view of the group's full gradient buffer;
+   at stages 2-3 it is copied into a temporary bucket buffer and dropped.
+3. In a backward that reduces, a group whose parameters all have gradients is *ready* (at
+   stage 3: a group whose unit backward has gone through, ``GradReducer.on_unit_done``);
+   ready groups are launched in group order (the same order on every rank) — all-reduce at
+   stage 0, reduce-scatter at stages 1-3 — asynchronously when ``overlap_comm`` is on, so
+   communication runs while backward goes on.
+4. When autograd returns, ``GradReducer.finish`` launches the groups that never became ready
+   (parameters unused in this step) and awaits all handles; at stages 2-3 each reduced
+   bucket's shard is added into the persistent gradient shard and the bucket freed.
 5. ``step()`` at the boundary divides by the data-parallel size (and the fp16 loss scale),
    all-reduces (one small vector) the squared gradient norm and which parameters got a
    gradient on any rank, skips the step on every rank if fp16 gradients overflowed on any,
@@ -42,7 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .device import default_device, synchronize
-from .collectives import Comm, Handle
+from .collectives import Comm
 from ..config import Config, ConfigError, resolve_batch_sizes
 from .engine_api import EngineAPI
 from .assemble import (adopt_replaced_params, broadcast_initial_state, build_flat_groups, build_lr_scheduler,
@@ -52,13 +55,10 @@ from .gather import (Prefetcher, Unit, external_users, initialize_meta_units, in
 from ..offload import OptimizerOffload, ParamOffload, group_cap
 from .plain_loop import PlainLoop
 from .precision import LossScaler, PrecisionPolicy
+from .reduce import GradReducer
 from .stages import StagePolicy, policy_for
 
 logger = logging.getLogger("zerodp")
-
-#: Stage 2 keeps at most this many full-size gradient buckets in flight during backward.
-MAX_BUCKETS_IN_FLIGHT = 2
-
 
 _LIVE: "weakref.WeakSet[ZeroEngine]" = weakref.WeakSet()
 
@@ -200,8 +200,11 @@ class ZeroEngine(EngineAPI, nn.Module):
             self._setup_units(unit_plan, meta, param_init_fn)
         register_params(self.flat_groups, self.comm, sharded=self.policy.shard_parameters)
         for g in self.trainable:
-            g.allocate_gradients(keep_full=not self.policy.shard_gradients,
+            g.allocate_gradients(keep_full=self.policy.full_gradient_buffer,
                                  dtype=self.precision.grad_dtype(g.dtype))
+        self.reducer = GradReducer(self.comm, self.trainable, self.policy, self.precision,
+                                   reduce_scatter=self.zero_config.reduce_scatter,
+                                   overlap_comm=self.overlap_comm)
 
         # offload: fp32 masters and optimizer states on the host or disk, the step there (offload/)
         self.offload: Optional[OptimizerOffload] = None
@@ -227,12 +230,8 @@ class ZeroEngine(EngineAPI, nn.Module):
         self.micro_steps = 0
         self._global_grad_norm: Optional[float] = None
         self._in_no_sync = False
-        self._reducing = False
         self._reduced_for_boundary = False
-        self._used = [[False] * len(g.params) for g in self.trainable]
-        self.peak_bucket_bytes = 0
         self._timings: dict[str, list[float]] = defaultdict(list)
-        self._reset_backward_state()
         self.monitor = None  # the metrics writer, set by zerodp.initialize (tools/monitor.py)
         self.training_dataloader = None  # set by zerodp.initialize(training_data=...)
         self._in_engine_backward = False
@@ -287,13 +286,14 @@ class ZeroEngine(EngineAPI, nn.Module):
 
     def forward(self, *args, **kwargs):
         with self._timed("forward"):
-            if self.units:  # stage 3: the root unit stays gathered until backward ends
+            stage3 = self.policy.shard_parameters
+            if stage3:  # the root unit stays gathered until backward ends
                 self.units[0].gather()
                 self.prefetcher.start_forward()
             args, kwargs = self.precision.cast_inputs((args, kwargs))
-            with _explain_released_parameters(bool(self.units)):
+            with _explain_released_parameters(stage3):
                 out = self.module(*args, **kwargs)
-            if self.units:
+            if stage3:
                 self.prefetcher.end_forward()
                 if not torch.is_grad_enabled():  # no backward follows: release prefetched units too
                     for unit in self.units:
@@ -306,142 +306,44 @@ class ZeroEngine(EngineAPI, nn.Module):
         boundary = self.is_gradient_accumulation_boundary()
         if self.monitor is not None:
             self.monitor.on_backward(loss)
-        self._reset_backward_state()
-        self._reducing = not self._in_no_sync and (self.policy.reduce_every_micro_batch or boundary)
+        reducing = not self._in_no_sync and (self.policy.reduce_every_micro_batch or boundary)
+        self.reducer.begin(reducing)
         scaled = loss / self._gas if self._gas > 1 else loss
         if self.loss_scaler is not None:  # in fp32, so a 16-bit loss times the scale cannot overflow
             scaled = scaled.float() * self.loss_scaler.scale
-        with self._timed("backward"), _explain_released_parameters(bool(self.units)):
+        with self._timed("backward"), _explain_released_parameters(self.policy.shard_parameters):
             self._in_engine_backward = True
             try:
                 scaled.backward(retain_graph=retain_graph)
             finally:
                 self._in_engine_backward = False
-            if self._reducing:
-                self._finish_reduction()
+            self.reducer.finish()
             for unit in self.units:
                 unit.release()
                 unit.pending_backward = 0
-        if self._reducing and boundary:
+        if reducing and boundary:
             self._reduced_for_boundary = True
-        self._reducing = False
         return loss
 
-    def _reset_backward_state(self) -> None:
-        self._seen = [[False] * len(g.params) for g in self.trainable]
-        self._ready = [False] * len(self.trainable)
-        self._next_launch = 0
-        self._handles: list[Handle] = []
-        self._buckets: dict[int, torch.Tensor] = {}
-
-    def _grad_buffer(self, t: int) -> torch.Tensor:
-        """Where group ``t``'s gradients are gathered before reduction."""
-        g = self.trainable[t]
-        if g.grad_full is not None:
-            return g.grad_full
-        if t not in self._buckets:
-            self._buckets[t] = g.new_grad_bucket(self.precision.comm_dtype(g.grad_dtype))
-            live = sum(b.numel() * b.element_size() for b in self._buckets.values())
-            self.peak_bucket_bytes = max(self.peak_bucket_bytes, live)
-        return self._buckets[t]
-
     def _on_grad_ready(self, t: int, i: int, param: nn.Parameter) -> None:
-        if not self._in_engine_backward and not self._plain.active:  # loss.backward() of a plain loop
-            self._plain.begin()
-        g = self.trainable[t]
-        self._used[t][i] = True
-        if not self._reducing:
-            if g.grad_full is not None:
-                g.fold_param_grad_into(g.grad_full, i)
-            return
-        if self._seen[t][i]:
-            raise RuntimeError(
-                f"parameter {g.slots[i].name} received a second gradient in one backward after its "
-                "group was reduced (reentrant activation checkpointing or two backward passes "
-                "through one graph); use non-reentrant checkpointing or one engine.backward per loss")
-        if self._ready[t]:
-            raise RuntimeError(
-                f"parameter {g.slots[i].name} received its gradient after its stage-3 unit finished "
-                "backward: it is used outside its unit before the unit runs. Declare the use with "
-                "zerodp.register_external_parameter(module, parameter), or make a module that "
-                "encloses every use its unit (initialize(unit_classes=...))")
-        self._seen[t][i] = True
-        self._take_grad(t, i)
-        if all(self._seen[t]) and not self.units:
-            self._mark_ready(t)  # stage 3 launches per unit, in _on_unit_backward_done
-
-    def _on_unit_backward_done(self, unit: Unit) -> None:
-        """Stage 3: backward has gone through ``unit``; reduce its gradients, release it.
-
-        Launching per unit (not per parameter) keeps the order of all-gathers and
-        reduce-scatters the same on every rank even when a parameter inside a unit gets no
-        gradient on some ranks."""
+        """Parameter ``i`` of trainable group ``t`` has its gradient: hand it to the reducer
+        (first noticing a plain loop's ``loss.backward()``, which the engine did not start)."""
         if not self._in_engine_backward and not self._plain.active:
             self._plain.begin()
-        if self._reducing:
-            for t, g in enumerate(self.trainable):
-                if g.unit == unit.index and not self._ready[t]:
-                    self._complete_group(t)
+        self.reducer.on_grad(t, i, param)
+
+    def _on_unit_backward_done(self, unit: Unit) -> None:
+        """Stage 3: backward has gone through ``unit``; reduce its gradients, release it."""
+        if not self._in_engine_backward and not self._plain.active:
+            self._plain.begin()
+        self.reducer.on_unit_done(unit.index)
         unit.release()
         self.prefetcher.after_backward(unit)
 
-    def _complete_group(self, t: int) -> None:
-        """Take gradients whose hooks did not fire (accumulated in no_sync, or none) and mark
-        group ``t`` ready."""
-        for i in range(len(self.trainable[t].params)):
-            if not self._seen[t][i]:
-                self._take_grad(t, i)
-        self._mark_ready(t)
-
-    def _take_grad(self, t: int, i: int) -> None:
-        """Move parameter ``i``'s gradient into group ``t``'s reduction buffer: added into
-        the full gradient buffer (stages 0-1), written into the bucket (stages 2-3)."""
-        g = self.trainable[t]
-        if g.grad_full is not None:
-            g.fold_param_grad_into(g.grad_full, i)
-        else:
-            g.move_grad_into_bucket(self._grad_buffer(t), i)
-
-    def _mark_ready(self, t: int) -> None:
-        self._ready[t] = True
-        while self._next_launch < len(self.trainable) and self._ready[self._next_launch]:
-            self._launch_reduction(self._next_launch)
-            self._next_launch += 1
-
-    def _launch_reduction(self, t: int) -> None:
-        g = self.trainable[t]
-        buf = self._grad_buffer(t)
-        if self.policy.reduction == "all_reduce" or not self.zero_config.reduce_scatter:
-            collective = self.comm.all_reduce_sum
-        else:
-            collective = self.comm.reduce_scatter_sum
-        if g.grad_full is not None:  # stages 0-1: the full buffer stays, reduced in place
-            comm_dtype = self.precision.comm_dtype(buf.dtype)
-            if comm_dtype == buf.dtype:
-                self._handles.append(collective(buf, async_op=self.overlap_comm))
-            else:  # reduced in another dtype: through a temporary copy
-                tmp = buf.to(comm_dtype)
-                self._handles.append(collective(tmp, async_op=self.overlap_comm,
-                                                then=lambda g=g, tmp=tmp: g.grad_shard.copy_(g.shard_of(tmp))))
-            return
-
-        def then(g=g, buf=buf, t=t):  # stages 2-3: keep this rank's part of the bucket, free it
-            g.add_to_grad_shard(g.shard_of(buf))
-            self._buckets.pop(t, None)
-        self._handles.append(collective(buf, async_op=self.overlap_comm, then=then))
-        # bound the buckets alive at once: wait for the oldest beyond two in flight
-        self._handles = [h for h in self._handles if not h.done]
-        if len(self._handles) > MAX_BUCKETS_IN_FLIGHT:
-            self._handles.pop(0).wait()
-
-    def _finish_reduction(self) -> None:
-        """Launch the groups autograd never completed (unused parameters), then wait for all."""
-        for t in range(len(self.trainable)):
-            if not self._ready[t]:
-                self._complete_group(t)
-        for h in self._handles:
-            h.wait()
-        self._handles = []
+    @property
+    def in_no_sync(self) -> bool:
+        """Whether backward passes run inside ``no_sync()`` now (they do not communicate)."""
+        return self._in_no_sync
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -471,16 +373,17 @@ class ZeroEngine(EngineAPI, nn.Module):
                 "step() at a gradient-accumulation boundary, but that micro-batch's gradients were "
                 "not reduced: its backward ran inside no_sync() or engine.backward was not called. "
                 "Run the boundary micro-batch's backward outside no_sync().")
-        self._update(count_micro_step=True)
+        self.update_parameters(count_micro_step=True)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """For a plain loop under fp16: ``engine.scale(loss).backward()`` (the loss times the
         current loss scale, in fp32; the loss itself without fp16). See ``plain_loop.py``."""
         return self._plain.scale(loss)
 
-    def _update(self, count_micro_step: bool) -> None:
-        """The update and its bookkeeping: from ``step()`` at an accumulation boundary, or from
-        ``optimizer.step()`` in a plain loop (which sets the micro-step count to match)."""
+    def update_parameters(self, count_micro_step: bool) -> None:
+        """The update and its bookkeeping, on gradients already reduced: called by ``step()`` at
+        an accumulation boundary, and by ``optimizer.step()`` in a plain loop (which sets the
+        micro-step count to match); scripts call those, not this."""
         with self._timed("step"):
             self._apply_update()
         self.global_steps += 1
@@ -564,7 +467,7 @@ class ZeroEngine(EngineAPI, nn.Module):
         if self.policy.shard_optimizer or self.dp_rank == 0:
             for grad in grads:
                 local += squared_l2(grad)
-        flags = [float(u) for used in self._used for u in used]
+        flags = [float(u) for used in self.reducer.usage() for u in used]
         vec = torch.cat([local.reshape(1), torch.tensor(flags, dtype=torch.float64, device=self.device)])
         self.comm.all_reduce_sum(vec, kind="control")
         norm = math.sqrt(vec[0].item())
@@ -581,7 +484,7 @@ class ZeroEngine(EngineAPI, nn.Module):
             g.zero_gradients()
             for pp in g.piece_params:
                 pp.grad = None
-        self._used = [[False] * len(g.params) for g in self.trainable]
+        self.reducer.clear_usage()
 
     def destroy(self) -> None:
         """Wait for an asynchronous save in flight, remove the gradient hooks and close the

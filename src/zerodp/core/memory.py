@@ -37,7 +37,8 @@ def measure_model_states(engine: "ZeroEngine") -> dict[str, int]:
     * ``optimizer_states``: optimizer state tensors with one value per parameter element
       (Adam's ``exp_avg`` and ``exp_avg_sq``);
     * ``optimizer_scalars``: other optimizer state (step counters);
-    * ``gradient_buckets``: temporary stage-2 buckets alive right now (zero between steps);
+    * ``gradient_buckets``: temporary stage 2-3 buckets alive right now (zero between steps;
+      the reducer's, ``reduce.py``);
     * ``gradient_buckets_peak``: the most bytes of such buckets alive at once so far.
 
     ``model_states`` is the sum of the first four. With offload, ``model_states_on_compute``,
@@ -64,9 +65,10 @@ def measure_model_states(engine: "ZeroEngine") -> dict[str, int]:
                 key = "optimizer_states" if value.shape == p.shape and value.numel() > 0 \
                     and value.dim() > 0 else "optimizer_scalars"
                 out[key] += _nbytes(value)
-    out["gradient_buckets"] = sum(_nbytes(b) for b in engine._buckets.values())
-    out["gradient_buckets_peak"] = engine.peak_bucket_bytes
-    out["gathered_parameters_peak"] = engine.prefetcher.peak_gathered_bytes if engine.units else 0
+    out["gradient_buckets"] = engine.reducer.bucket_bytes()
+    out["gradient_buckets_peak"] = engine.reducer.peak_bucket_bytes
+    out["gathered_parameters_peak"] = (engine.prefetcher.peak_gathered_bytes
+                                       if engine.policy.shard_parameters else 0)
     out["model_states"] = (out["parameters"] + out["gradients"] + out["master_weights"]
                            + out["optimizer_states"])
     off = getattr(engine, "offload", None)

@@ -44,15 +44,16 @@ class PlainLoop:
         self.scaled = False             # engine.scale(loss) was called since the last update
         opt = engine.optimizer
         ref = self._engine
+        plain = weakref.ref(self)
 
         def step(optimizer, closure: Optional[Callable] = None):
-            live = ref()
+            live = plain()
             loss = None
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
             if live is not None:
-                live._plain.update()
+                live.update()
             return loss
 
         def zero_grad(optimizer, set_to_none: bool = True) -> None:
@@ -69,8 +70,7 @@ class PlainLoop:
         engine = self._engine()
         self.active = True
         self.backward_seen = True
-        engine._reset_backward_state()
-        engine._reducing = engine.policy.reduce_every_micro_batch and not engine._in_no_sync
+        engine.reducer.begin(engine.policy.reduce_every_micro_batch and not engine.in_no_sync)
         Variable._execution_engine.queue_callback(self.end)
 
     def end(self) -> None:
@@ -79,15 +79,14 @@ class PlainLoop:
         if engine is None:
             return
         try:
-            if engine._reducing:
-                engine._finish_reduction()
+            if engine.reducer.reducing:
+                engine.reducer.finish()
             else:
                 self.local_grads = True
             for unit in engine.units:
                 unit.release()
                 unit.pending_backward = 0
         finally:
-            engine._reducing = False
             self.active = False
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
@@ -101,17 +100,15 @@ class PlainLoop:
     def update(self) -> None:
         """``optimizer.step()``: reduce what is still local, then the engine's update."""
         engine = self._engine()
+        if engine is None:
+            return
         if engine.loss_scaler is not None and self.backward_seen and not self.scaled:
             raise RuntimeError(
                 "fp16 training in a plain loop: the loss was not scaled, so small gradients flush to "
                 "zero and overflows go unseen. Call engine.scale(loss).backward() instead of "
                 "loss.backward() (or use engine.backward(loss) and engine.step())")
-        if self.local_grads:
-            engine._reset_backward_state()
-            engine._reducing = True
-            try:
-                engine._finish_reduction()
-            finally:
-                engine._reducing = False
+        if self.local_grads:  # one reduction of what the backward passes accumulated
+            engine.reducer.begin(True)
+            engine.reducer.finish()
         self.local_grads = self.backward_seen = self.scaled = False
-        engine._update(count_micro_step=False)
+        engine.update_parameters(count_micro_step=False)

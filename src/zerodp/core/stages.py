@@ -4,11 +4,15 @@ The engine is one machine for every stage; a ``StagePolicy`` tells it:
 
 * where optimizer state lives (the whole buffer, or this rank's 1/N shard);
 * where gradients live between backward and step (a full buffer, or a shard);
-* how gradients are reduced (all-reduce, or reduce-scatter) and how often (once per
-  accumulation boundary, or after every micro-batch);
+* how gradients are reduced (all-reduce, or reduce-scatter), how often (once per
+  accumulation boundary, or after every micro-batch) and when in backward (as a group
+  completes, or as backward leaves a stage-3 unit);
 * whether updated shards are all-gathered after the step.
 
-What happens to a gradient, stage by stage (``engine.py`` runs it; ``collectives.py`` moves it):
+The engine and the reducer tell stages apart by these fields, never by the state of a buffer.
+
+What happens to a gradient, stage by stage (``engine.py`` runs the step, ``reduce.py`` the
+reduction; ``collectives.py`` moves the bytes):
 
 =====  ====================  ===================================  =========================
 stage  gradient storage      reduction                            after the optimizer step
@@ -17,12 +21,13 @@ stage  gradient storage      reduction                            after the opti
 1      full buffer           reduce-scatter, at the boundary      all-gather the parameters
 2      shard (+ buckets in   reduce-scatter of each bucket as it  all-gather the parameters
        flight in backward)   fills, in every micro-batch
-3      as stage 2            as stage 2                           nothing: parameters stay
-                                                                  shards, gathered per unit
-                                                                  around its forward and
-                                                                  backward (``fetch.py``)
+3      as stage 2            as stage 2, but each unit's buckets  nothing: parameters stay
+                             are launched when backward has gone  shards, gathered per unit
+                             through the unit                     around its forward and
+                                                                  backward (``gather.py``)
 =====  ====================  ===================================  =========================
 
+"gradient storage" is ``full_gradient_buffer``; launching per unit is ``reduces_per_unit``.
 At stages 0 and 1 gradients of the micro-batches accumulate locally in the full buffer and
 are communicated once per optimizer step; stage 2 has no full buffer to accumulate into, so it
 reduces every micro-batch (more traffic under accumulation, 1/N the gradient memory).
@@ -45,6 +50,19 @@ class StagePolicy:
     """``"all_reduce"`` or ``"reduce_scatter"``."""
     reduce_every_micro_batch: bool
     """Reduce in every backward, not only in the accumulation boundary's."""
+
+    @property
+    def full_gradient_buffer(self) -> bool:
+        """Gradients accumulate in a full-size gradient buffer per group, which ``p.grad``
+        views and which is reduced in place (stages 0-1); otherwise each reduction fills a
+        temporary bucket and only this rank's gradient shard is kept (stages 2-3)."""
+        return not self.shard_gradients
+
+    @property
+    def reduces_per_unit(self) -> bool:
+        """Gradients are reduced per stage-3 unit, when backward has gone through it, not per
+        group as soon as its last gradient arrives (see ``reduce.py``)."""
+        return self.shard_parameters
 
     @property
     def gather_after_step(self) -> bool:
