@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
 
 import torch
 
+from .._version import __version__
 from .coord import Coordinator
 from .layout import RankPlan, merge_rank_records, optimizer_record, rank_file, rank_json
 from .source import CheckpointError
@@ -422,6 +423,5 @@ class Checkpointer:
         index["client_state"] = encode(client_state if client_state is not None else {}, tensors, "client.")
         for k, v in tensors.items():
             plan.add_whole(k, v)
-        import zerodp
-        index["zerodp_version"], index["torch_version"] = zerodp.__version__, torch.__version__
+        index["zerodp_version"], index["torch_version"] = __version__, torch.__version__
         return index
