@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from . import device
 from .memory import measure_model_states
+from .view import CheckpointView
 
 
 class EngineAPI:
@@ -27,8 +28,12 @@ class EngineAPI:
 
     @property
     def skipped_steps(self) -> int:
-        """Optimizer steps skipped because fp16 gradients overflowed."""
+        """Optimizer steps skipped because fp16 gradients overflowed (a load sets it)."""
         return self._skipped_steps
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._skipped_steps = value
 
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups]
@@ -80,6 +85,11 @@ class EngineAPI:
         return index
 
     # -- checkpoints (``checkpoint/``) ----------------------------------------------------
+
+    def checkpoint_view(self) -> CheckpointView:
+        """What checkpoints read and write of this engine (``core/view.py``): ``checkpoint/``
+        is given this view, never the engine."""
+        return CheckpointView(self)
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False, async_save: Optional[bool] = None) -> bool:
