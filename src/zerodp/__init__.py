@@ -24,6 +24,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from ._version import __version__ as __version__
 from . import _moved, accelerator, checkpointing, comm, ops, unsupported, utils, zero  # noqa: F401 (DeepSpeed's modules)
 from .checkpoint import CheckpointError
 from .comm import init_distributed
@@ -37,7 +38,6 @@ from .core.param_api import GatheredParameters, register_external_parameter
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "CheckpointError", "GatheredParameters",
            "register_external_parameter", "ZeroEngine", "DeepSpeedEngine", "Config", "ConfigError",
            "load_config", "PRESETS", "resolve_batch_sizes", "estimate"]
-__version__ = "0.1.0"
 
 #: DeepSpeed's engine class name (for ``isinstance`` checks in ported scripts).
 DeepSpeedEngine = ZeroEngine

@@ -20,21 +20,23 @@ The modules, in the order a save or load uses them:
 * ``deepspeed_files.py`` their files, recognised and checked (allow-listed unpickling)
 * ``deepspeed_layout.py`` where each parameter lies in their ZeRO partitions
 * ``consolidate.py`` full weights, streamed; DeepSpeed's zero_to_fp32 names; save_16bit_model
+
+An engine is seen only through its ``CheckpointView`` (``core/view.py``,
+``engine.checkpoint_view()``), which declares everything a save or load reads and writes; no
+module here imports the engine.
 """
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
+from ..core.view import CheckpointView
 from .consolidate import (consolidate, get_fp32_state_dict_from_zero_checkpoint,
                           load_state_dict_from_zero_checkpoint)
 from .coord import Coordinator
 from .load import list_tags, load_into_engine, open_source, resolve_tag_dir
 from .source import CheckpointError, Source
-
-if TYPE_CHECKING:
-    from ..core.engine import ZeroEngine
 
 __all__ = ["CheckpointError", "Source", "consolidate", "get_fp32_state_dict_from_zero_checkpoint",
            "load_state_dict_from_zero_checkpoint", "list_tags", "open_source", "resolve_tag_dir",
@@ -43,13 +45,13 @@ __all__ = ["CheckpointError", "Source", "consolidate", "get_fp32_state_dict_from
 logger = logging.getLogger("zerodp")
 
 
-def load_checkpoint(engine: "ZeroEngine", load_dir, tag: Optional[str] = None, *,
+def load_checkpoint(view: CheckpointView, load_dir, tag: Optional[str] = None, *,
                     load_module_strict: bool = True, load_optimizer_states: bool = True,
                     load_lr_scheduler_states: bool = True, load_module_only: bool = False):
-    """``engine.load_checkpoint``: returns ``(path, client_state)``, or ``(None, None)`` when
-    ``tag`` is None and ``load_dir`` has no ``latest`` file (DeepSpeed's behaviour, so a script
-    can call it unconditionally to resume)."""
-    coord = Coordinator(engine.comm)
+    """``engine.load_checkpoint``, given ``engine.checkpoint_view()``: returns ``(path,
+    client_state)``, or ``(None, None)`` when ``tag`` is None and ``load_dir`` has no ``latest``
+    file (DeepSpeed's behaviour, so a script can call it unconditionally to resume)."""
+    coord = Coordinator(view.comm)
     err, tag_dir, src = None, None, None
     try:
         tag_dir = resolve_tag_dir(load_dir, tag)
@@ -64,16 +66,16 @@ def load_checkpoint(engine: "ZeroEngine", load_dir, tag: Optional[str] = None, *
                               f"{[r for r, f in enumerate(found) if f]} only; the checkpoint directory "
                               "must be one directory every rank can read")
     if tag_dir is None:
-        if engine.dp_rank == 0:  # the first start of a script that always tries to resume
+        if view.dp_rank == 0:  # the first start of a script that always tries to resume
             logger.info("no checkpoint to resume from: %s has no 'latest' file", load_dir)
         return None, None
     try:
-        client_state = load_into_engine(engine, src, strict=load_module_strict,
+        client_state = load_into_engine(view, src, strict=load_module_strict,
                                         load_optimizer_states=load_optimizer_states,
                                         load_lr_scheduler_states=load_lr_scheduler_states,
                                         load_module_only=load_module_only)
     finally:
         src.close()
-    if engine.dp_rank == 0:
-        logger.info("loaded %s; resuming at step %d", src.describe(), engine.global_steps)
+    if view.dp_rank == 0:
+        logger.info("loaded %s; resuming at step %d", src.describe(), view.global_steps)
     return str(tag_dir), client_state

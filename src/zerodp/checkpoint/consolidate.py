@@ -21,19 +21,17 @@ import re
 import shutil
 from collections import OrderedDict
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 
+from ..core.view import CheckpointView
 from .coord import Coordinator
 from .layout import persistent_buffers
 from .load import open_source, resolve_tag_dir
 from .save import INDEX
 from .source import VALUE, CheckpointError, Read, Source
 from .tensorfile import TensorSpec, TensorWriter, write_tensors
-
-if TYPE_CHECKING:
-    from ..core.engine import ZeroEngine
 
 logger = logging.getLogger("zerodp")
 
@@ -199,22 +197,22 @@ def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir,
     return model
 
 
-def save_16bit_model(engine: "ZeroEngine", save_dir, save_filename: str = "pytorch_model.bin",
+def save_16bit_model(view: CheckpointView, save_dir, save_filename: str = "pytorch_model.bin",
                      exclude_frozen_parameters: bool = False) -> bool:
     """Gather the full weights in the compute dtype and write them from rank 0 (see
     ``ZeroEngine.save_16bit_model``)."""
-    coord = Coordinator(engine.comm)
+    coord = Coordinator(view.comm)
     state: "OrderedDict[str, torch.Tensor]" = OrderedDict()
     aliases: dict[int, list[str]] = {}
-    for name, p in engine.base_module.named_parameters(remove_duplicate=False):
+    for name, p in view.module.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
-    for g in engine.flat_groups:
+    for g in view.flat_groups:
         if exclude_frozen_parameters and not g.trainable:
             continue
         gathered_here = g.shards_parameters and not g.gathered
         if gathered_here:
-            g.gather(engine.comm)
-        if engine.dp_rank == 0:
+            g.gather(view.comm)
+        if view.dp_rank == 0:
             for i, (slot, p) in enumerate(zip(g.slots, g.params)):
                 value = g.view(g.full, i).detach().to("cpu", copy=True)
                 for name in aliases.get(id(p), [slot.name]):
@@ -222,15 +220,15 @@ def save_16bit_model(engine: "ZeroEngine", save_dir, save_filename: str = "pytor
         if gathered_here:
             g.release()
     err = None
-    if engine.dp_rank == 0:
+    if view.dp_rank == 0:
         try:
-            managed = {id(p) for g in engine.flat_groups for p in g.params}
-            for name, p in engine.base_module.named_parameters():
+            managed = {id(p) for g in view.flat_groups for p in g.params}
+            for name, p in view.module.named_parameters():
                 if id(p) not in managed and not (exclude_frozen_parameters and not p.requires_grad):
                     state[name] = p.detach().to("cpu", copy=True)
-            for name, b in persistent_buffers(engine.base_module).items():
+            for name, b in persistent_buffers(view.module).items():
                 state[name] = b.detach().to("cpu", copy=True)
-            order = [k for k in engine.base_module.state_dict().keys() if k in state]
+            order = [k for k in view.module.state_dict().keys() if k in state]
             state = OrderedDict((k, state[k]) for k in order + [k for k in state if k not in order])
             path = Path(save_dir)
             path.mkdir(parents=True, exist_ok=True)
@@ -241,7 +239,7 @@ def save_16bit_model(engine: "ZeroEngine", save_dir, save_filename: str = "pytor
             else:
                 torch.save(state, tmp)
             os.replace(tmp, target)
-            logger.info("saved %d tensors (%s) to %s", len(state), engine.config.compute_dtype, target)
+            logger.info("saved %d tensors (%s) to %s", len(state), view.compute_dtype, target)
         except Exception as e:  # noqa: BLE001 - reported to every rank
             err = e
     coord.agree(err, f"save_16bit_model to {save_dir}")

@@ -55,7 +55,7 @@ class Coordinator:
             if comm.backend == "gloo" and not separate:
                 self.group = comm.group
             else:
-                self.store = dist.PrefixStore(_store_prefix(tuple(comm._global_ranks)),
+                self.store = dist.PrefixStore(_store_prefix(tuple(comm.global_ranks)),
                                               dist.distributed_c10d._get_default_store())
 
     def _exchange(self, value: str) -> list[str]:

@@ -25,16 +25,14 @@ that rank's file. Nothing in it depends on the world size or stage of the run th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
 from ..core.flat import FlatGroup, Piece
+from ..core.view import CheckpointView
 from .state import encode
 from .tensorfile import TensorSpec, dtype_name
-
-if TYPE_CHECKING:
-    from ..core.engine import ZeroEngine
 
 FORMAT, VERSION = "zerodp", 1
 
@@ -69,10 +67,10 @@ def model_aliases(module: torch.nn.Module) -> dict[str, str]:
     return aliases
 
 
-def loose_parameters(engine: "ZeroEngine") -> dict[str, torch.nn.Parameter]:
+def loose_parameters(view: CheckpointView) -> dict[str, torch.nn.Parameter]:
     """Model parameters outside every flat group (trainable ones not given to the optimizer)."""
-    managed = {id(p) for g in engine.flat_groups for p in g.params}
-    return {n: p for n, p in engine.base_module.named_parameters() if id(p) not in managed}
+    managed = {id(p) for g in view.flat_groups for p in g.params}
+    return {n: p for n, p in view.module.named_parameters() if id(p) not in managed}
 
 
 def persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -109,17 +107,17 @@ class _Part:
 class RankPlan:
     """What this rank writes: tensor specs, their parts, and its JSON record."""
 
-    def __init__(self, engine: "ZeroEngine", *, exclude_frozen: bool = False) -> None:
-        self.engine, self.exclude_frozen = engine, exclude_frozen
-        world, rank = engine.dp_world_size, engine.dp_rank
+    def __init__(self, view: CheckpointView, *, exclude_frozen: bool = False) -> None:
+        self.view, self.exclude_frozen = view, exclude_frozen
+        world, rank = view.dp_world_size, view.dp_rank
         self.rank, self.world = rank, world
         self.specs: list[TensorSpec] = []
         self._sources: dict[str, Any] = {}  # name -> tensor, or callable yielding parts
         self.extra_tensors: dict[str, torch.Tensor] = {}
         self.json: dict = {"rank": rank, "world_size": world, "groups": {}}
-        opt_state = engine.optimizer.state
+        opt_state = view.optimizer.state
         self.parts: list[_Part] = []
-        for g in engine.flat_groups:
+        for g in view.flat_groups:
             if exclude_frozen and not g.trainable:
                 continue
             lo, hi = save_range(g, rank, world)
@@ -209,12 +207,12 @@ class RankPlan:
 
     def index_skeleton(self) -> dict:
         """The index without what only the other ranks know (state keys, scalars, file records)."""
-        engine, world, exclude_frozen = self.engine, self.world, self.exclude_frozen
+        view, world, exclude_frozen = self.view, self.world, self.exclude_frozen
         params: dict[str, dict] = {}
-        for g in engine.flat_groups:
+        for g in view.flat_groups:
             if exclude_frozen and not g.trainable:
                 continue
-            value_dtype = torch.float32 if engine.precision.keeps_master(g.dtype) and g.trainable else g.dtype
+            value_dtype = torch.float32 if view.precision.keeps_master(g.dtype) and g.trainable else g.dtype
             for s in g.slots:
                 params[s.name] = {"shape": list(s.shape), "dtype": dtype_name(value_dtype),
                                   "param_group": g.param_group if g.trainable else None,
@@ -232,24 +230,24 @@ class RankPlan:
                 k = (pc["rank"], pc["group"])
                 pc["piece"] = counters.get(k, 0)
                 counters[k] = pc["piece"] + 1
-        order = [n for n, _ in engine.base_module.named_parameters() if n in params or n in self.loose]
+        order = [n for n, _ in view.module.named_parameters() if n in params or n in self.loose]
         for name, p in self.loose.items():
             params[name] = {"shape": list(p.shape), "dtype": dtype_name(p.dtype), "param_group": None,
                             "state_keys": [], "scalars": None,
                             "pieces": [{"rank": 0, "prefix": f"extra.{name}", "at": 0, "start": 0,
                                         "stop": p.numel(), "group": None, "piece": None}]}
         return {"format": FORMAT, "version": VERSION, "world_size": world,
-                "zero_stage": engine.zero_stage, "compute_dtype": engine.config.compute_dtype,
+                "zero_stage": view.zero_stage, "compute_dtype": view.compute_dtype,
                 "params": {n: params[n] for n in order},
-                "aliases": model_aliases(engine.base_module),
+                "aliases": model_aliases(view.module),
                 "buffers": {n: {"shape": list(b.shape), "dtype": dtype_name(b.dtype)}
                             for n, b in self.buffers.items()}}
 
     def _add_unsharded(self) -> None:
         """Rank 0 writes the unsharded tensors: loose parameters and persistent buffers."""
-        self.loose = {n: p for n, p in loose_parameters(self.engine).items()
+        self.loose = {n: p for n, p in loose_parameters(self.view).items()
                       if not (self.exclude_frozen and not p.requires_grad)}
-        self.buffers = persistent_buffers(self.engine.base_module)
+        self.buffers = persistent_buffers(self.view.module)
         if self.rank == 0:
             for name, p in self.loose.items():
                 self.add_whole(f"extra.{name}.value", p.detach())
@@ -287,9 +285,9 @@ def merge_rank_records(index: dict, records: list[dict]) -> None:
                                  f"({entry['state_keys']} and {keys})")
 
 
-def optimizer_record(engine: "ZeroEngine", tensors: dict[str, torch.Tensor]) -> dict:
+def optimizer_record(view: CheckpointView, tensors: dict[str, torch.Tensor]) -> dict:
     """The optimizer's class and hyperparameters per param group (JSON; tensors to ``tensors``)."""
-    opt = engine.optimizer
+    opt = view.optimizer
     groups = [{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in opt.param_groups]
     return {"type": type(opt).__name__, "module": type(opt).__module__,
             "param_groups": encode(groups, tensors, "optim.", "optimizer param_groups")}

@@ -22,19 +22,17 @@ import json
 import logging
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 
+from ..core.view import CheckpointView
 from .coord import Coordinator
 from .layout import FORMAT, loose_parameters, model_aliases, persistent_buffers, rank_file, rank_json
 from .save import INDEX, LATEST
 from .source import VALUE, CheckpointError, EngineState, OptimizerInfo, ParamInfo, Read, Source
 from .state import decode, restore_rng
 from .tensorfile import FileRecord, TensorFile, _Checksum, dtype_from_name
-
-if TYPE_CHECKING:
-    from ..core.engine import ZeroEngine
 
 logger = logging.getLogger("zerodp")
 
@@ -224,13 +222,13 @@ class _Plan:
         self.buffers: dict[str, torch.Tensor] = {}
 
 
-def _match_names(engine: "ZeroEngine", src: Source, strict: bool) -> dict[str, str]:
+def _match_names(view: CheckpointView, src: Source, strict: bool) -> dict[str, str]:
     """Model parameter name -> the checkpoint's name for it; raises on mismatch (strict)."""
-    module = engine.base_module
+    module = view.module
     model_alias = model_aliases(module)
     names = [n for n, _ in module.named_parameters()]
     shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
-    for g in engine.flat_groups:  # stage 3: the module's parameters are empty views
+    for g in view.flat_groups:  # stage 3: the module's parameters are empty views
         for s in g.slots:
             shapes[s.name] = tuple(s.shape)
     others: dict[str, list[str]] = {}
@@ -270,24 +268,24 @@ def _match_names(engine: "ZeroEngine", src: Source, strict: bool) -> dict[str, s
     return mapping
 
 
-def _check_optimizer(engine: "ZeroEngine", src: Source) -> None:
+def _check_optimizer(view: CheckpointView, src: Source) -> None:
     if src.optimizer is None:
         raise CheckpointError(f"{src.describe()} holds no optimizer state; pass load_optimizer_states=False")
-    mine, theirs = type(engine.optimizer).__name__, src.optimizer.type
+    mine, theirs = type(view.optimizer).__name__, src.optimizer.type
     if _family(mine) != _family(theirs):
         raise CheckpointError(f"{src.describe()} holds the state of a {theirs} optimizer "
                               f"(state: {', '.join(src.optimizer.elementwise_keys + src.optimizer.scalar_keys) or 'none'}); "
                               f"this run's optimizer is {mine}. Use the same optimizer type, or pass "
                               "load_optimizer_states=False to load the weights only")
-    n_mine, n_theirs = len(engine.optimizer.param_groups), len(src.optimizer.param_groups)
+    n_mine, n_theirs = len(view.optimizer.param_groups), len(src.optimizer.param_groups)
     if n_mine != n_theirs:
         raise CheckpointError(f"{src.describe()} has {n_theirs} optimizer param groups, this run has "
                               f"{n_mine}; build the optimizer with the same param groups")
 
 
-def _read_plan(engine: "ZeroEngine", src: Source, mapping: dict[str, str], with_optimizer: bool) -> _Plan:
+def _read_plan(view: CheckpointView, src: Source, mapping: dict[str, str], with_optimizer: bool) -> _Plan:
     plan, reads = _Plan(), []
-    for g in engine.flat_groups:
+    for g in view.flat_groups:
         value_dtype = torch.float32 if g.master is not None else g.dtype
         pps = g.piece_params if g.trainable else [None] * len(g.pieces)
         for pc, pp in zip(g.pieces, pps):
@@ -314,14 +312,14 @@ def _read_plan(engine: "ZeroEngine", src: Source, mapping: dict[str, str], with_
                     else torch.tensor(v, dtype=dtype_from_name(kind))
             plan.states[id(pp)] = state
             plan.piece_params[id(pp)] = pp
-    for name, p in loose_parameters(engine).items():
+    for name, p in loose_parameters(view).items():
         cname = mapping.get(name)
         if cname is not None:
             out = torch.empty(p.numel(), dtype=src.params[cname].dtype)
             reads.append(Read(cname, VALUE, 0, p.numel(), out))
             plan.loose[name] = out
     src.read(reads)
-    wanted = persistent_buffers(engine.base_module)
+    wanted = persistent_buffers(view.module)
     if src.buffer_names:
         got = src.read_buffers()
         for name, buf in wanted.items():
@@ -333,11 +331,11 @@ def _read_plan(engine: "ZeroEngine", src: Source, mapping: dict[str, str], with_
     return plan
 
 
-def _load_lr_scheduler(engine: "ZeroEngine", src: Source) -> None:
+def _load_lr_scheduler(view: CheckpointView, src: Source) -> None:
     """Load the scheduler's state; DeepSpeed's schedulers save ``{"last_batch_iteration": i}``,
     zerodp's (DeepSpeed's schedules as torch schedulers) take torch's format. When the
     checkpoint's param groups carry no learning rate, the schedule sets it."""
-    sched, state = engine.lr_scheduler, src.lr_scheduler
+    sched, state = view.lr_scheduler, src.lr_scheduler
     if "last_batch_iteration" in state and "last_epoch" not in state:
         if not hasattr(sched, "lr_at"):
             raise CheckpointError(f"{src.describe()} holds a DeepSpeed learning-rate schedule, and this "
@@ -350,77 +348,75 @@ def _load_lr_scheduler(engine: "ZeroEngine", src: Source) -> None:
     sched.load_state_dict(state)
     groups = src.optimizer.param_groups if src.optimizer is not None else []
     if not any("lr" in g for g in groups):
-        for group, lr in zip(engine.optimizer.param_groups, sched.get_last_lr()):
+        for group, lr in zip(view.optimizer.param_groups, sched.get_last_lr()):
             group["lr"] = lr
 
 
-def load_into_engine(engine: "ZeroEngine", src: Source, *, strict: bool = True,
+def load_into_engine(view: CheckpointView, src: Source, *, strict: bool = True,
                      load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                      load_module_only: bool = False) -> dict:
-    """Fill ``engine`` from ``src`` (see module docstring); returns the client state."""
-    coord = Coordinator(engine.comm)
+    """Fill the engine behind ``view`` from ``src`` (see module docstring); returns the client state."""
+    coord = Coordinator(view.comm)
     with_optimizer = load_optimizer_states and not load_module_only
     err, plan = None, None
     try:
-        mapping = _match_names(engine, src, strict)
+        mapping = _match_names(view, src, strict)
         if with_optimizer:
-            _check_optimizer(engine, src)
-        plan = _read_plan(engine, src, mapping, with_optimizer)
+            _check_optimizer(view, src)
+        plan = _read_plan(view, src, mapping, with_optimizer)
         rng = None
-        if not load_module_only and isinstance(src, ZerodpSource) and src.world_size == engine.dp_world_size:
-            rng = src.rank_record(engine.dp_rank).get("rng")
+        if not load_module_only and isinstance(src, ZerodpSource) and src.world_size == view.dp_world_size:
+            rng = src.rank_record(view.dp_rank).get("rng")
     except Exception as e:  # noqa: BLE001 - reported to every rank
         err = e
     coord.agree(err, f"loading {src.describe()}")
 
-    for unit in engine.units:
-        unit.release()
+    view.release_units()
     with torch.no_grad():
         if with_optimizer:
-            _load_optimizer(engine, src, plan)
+            _load_optimizer(view, src, plan)
         values: dict[int, list] = {}
         for g, pc, value in plan.values:
             values.setdefault(g.index, []).append((pc, value))
-        for g in engine.flat_groups:
+        for g in view.flat_groups:
             with g.swapped_in():  # disk offload: one read and write of the tile
                 target = g.master if g.master is not None else g.shard
                 for pc, value in values.get(g.index, ()):
                     target[pc.shard_lo:pc.shard_hi].copy_(value)
                 g.write_back_master()
                 if with_optimizer and g.master_page is not None:  # the loaded states go to the file
-                    engine.offload.adopt_states(g, engine.optimizer)
+                    view.offload.adopt_states(g, view.optimizer)
             if not g.shards_parameters and g.partitions > 1:
-                engine.comm.all_gather(g.full)
-        params = dict(engine.base_module.named_parameters())
+                view.comm.all_gather(g.full)
+        params = dict(view.module.named_parameters())
         for name, value in plan.loose.items():
             params[name].copy_(value.view_as(params[name]))
-        buffers = persistent_buffers(engine.base_module)
+        buffers = persistent_buffers(view.module)
         for name, value in plan.buffers.items():
             buffers[name].copy_(value)
-    engine.zero_grad()
+    view.zero_grad()
     if not load_module_only:
-        if load_lr_scheduler_states and engine.lr_scheduler is not None and src.lr_scheduler is not None:
-            _load_lr_scheduler(engine, src)
-        if engine.loss_scaler is not None and src.loss_scaler is not None:
-            engine.loss_scaler.load_state_dict(src.loss_scaler)
+        if load_lr_scheduler_states and view.lr_scheduler is not None and src.lr_scheduler is not None:
+            _load_lr_scheduler(view, src)
+        if view.loss_scaler is not None and src.loss_scaler is not None:
+            view.loss_scaler.load_state_dict(src.loss_scaler)
         st = src.engine_state
-        engine.global_steps = st.global_steps
         # a checkpoint is taken at an accumulation boundary; this run's accumulation may differ
-        engine.micro_steps = st.global_steps * engine.gradient_accumulation_steps()
-        engine._skipped_steps = st.skipped_steps
+        view.restore_step_counters(st.global_steps, st.global_steps * view.gradient_accumulation_steps,
+                                   st.skipped_steps)
         if rng is not None:
-            restore_rng(rng, lambda key: src.file(rank_file(engine.dp_rank)).read(key))
-        elif engine.dp_rank == 0 and isinstance(src, ZerodpSource):
+            restore_rng(rng, lambda key: src.file(rank_file(view.dp_rank)).read(key))
+        elif view.dp_rank == 0 and isinstance(src, ZerodpSource):
             logger.info("RNG states not restored: the checkpoint was written by %d ranks, this run has %d",
-                        src.world_size, engine.dp_world_size)
-        loader = getattr(engine, "training_dataloader", None)
+                        src.world_size, view.dp_world_size)
+        loader = view.training_dataloader
         if src.data_loader is not None and hasattr(loader, "load_state_dict"):
             loader.load_state_dict(src.data_loader)
     return src.client_state
 
 
-def _load_optimizer(engine: "ZeroEngine", src: Source, plan: _Plan) -> None:
-    opt = engine.optimizer
+def _load_optimizer(view: CheckpointView, src: Source, plan: _Plan) -> None:
+    opt = view.optimizer
     current = opt.state_dict()
     index_of = {}
     k = 0

@@ -33,18 +33,17 @@ import threading
 import time
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
+from .._version import __version__
+from ..core.view import CheckpointView
 from .coord import Coordinator
 from .layout import RankPlan, merge_rank_records, optimizer_record, rank_file, rank_json
 from .source import CheckpointError
 from .state import capture_rng, encode
 from .tensorfile import FileRecord, TensorWriter, checksum
-
-if TYPE_CHECKING:
-    from ..core.engine import ZeroEngine
 
 logger = logging.getLogger("zerodp")
 
@@ -154,13 +153,13 @@ class Staging:
         started; with ``copy_now`` (optimizer states on disk, read in tile by tile while copied)
         the copy is made before this returns."""
         if copy_now:
-            views = self._views(plan, plan.engine.device.type == "cuda")
+            views = self._views(plan, plan.view.device.type == "cuda")
             for name, out in views.items():
                 _copy_parts(plan.parts_of(name), out)
             self._event, self._pending = None, []
             return views
         parts = {spec.name: list(plan.parts_of(spec.name)) for spec in plan.specs}
-        self._groups = plan.engine.flat_groups
+        self._groups = plan.view.flat_groups
         for g in self._groups:  # stage 3 keeps each shard's storage while gathered until copied
             g.shard_being_copied = True
         on_gpu = any(p.device.type == "cuda" for ps in parts.values() for p in ps)
@@ -235,7 +234,7 @@ class _Job:
         self.save_dir, self.tag, self.save_latest = save_dir, tag, save_latest
         self.partial = save_dir / f".{tag}.partial"
         self.staging = staging
-        paged = any(g.master_page is not None or g.shard_page is not None for g in plan.engine.flat_groups)
+        paged = any(g.master_page is not None or g.shard_page is not None for g in plan.view.flat_groups)
         self.staged = staging.start(plan, copy_now=paged) if staging is not None else None
         self._plan = None if staging is not None else plan
         self.nbytes = sum(s.nbytes for s in plan.specs)
@@ -314,10 +313,10 @@ class _Job:
 
 
 class Checkpointer:
-    """An engine's saves: at most one asynchronous save in flight."""
+    """An engine's saves, through its checkpoint view: at most one asynchronous save in flight."""
 
-    def __init__(self, engine: "ZeroEngine") -> None:
-        self.engine = engine
+    def __init__(self, view: CheckpointView) -> None:
+        self.view = view
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self._what = ""
@@ -351,19 +350,19 @@ class Checkpointer:
              save_latest: bool = True, exclude_frozen_parameters: bool = False,
              async_save: bool = False) -> bool:
         self.wait()
-        engine = self.engine
+        view = self.view
         save_dir = Path(save_dir)
-        tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
-        coord = Coordinator(engine.comm)
+        tag = str(tag) if tag is not None else f"global_step{view.global_steps}"
+        coord = Coordinator(view.comm)
         err, plan, index = None, None, None
         try:
             check_tag(tag)
-            plan = RankPlan(engine, exclude_frozen=exclude_frozen_parameters)
+            plan = RankPlan(view, exclude_frozen=exclude_frozen_parameters)
             rng_tensors: dict[str, torch.Tensor] = {}
             plan.json["rng"] = capture_rng(rng_tensors)
             for k, v in rng_tensors.items():
                 plan.add_whole(k, v)
-            if engine.dp_rank == 0:
+            if view.dp_rank == 0:
                 index = self._index(plan, tag, client_state)
         except Exception as e:  # noqa: BLE001 - reported to every rank
             err = e
@@ -373,7 +372,7 @@ class Checkpointer:
             raise CheckpointError(f"save_checkpoint: the ranks passed different tags (this rank: {tag!r}); "
                                   "pass the same tag on every rank, or none")
         err = None
-        if engine.dp_rank == 0:
+        if view.dp_rank == 0:
             try:
                 save_dir.mkdir(parents=True, exist_ok=True)
                 for stale in sorted(save_dir.glob(".*.partial")):
@@ -389,7 +388,7 @@ class Checkpointer:
         if self.staging is None:
             self.staging = Staging()
         job = _Job(plan, index, save_dir, tag, save_latest, staging=self.staging)
-        background = Coordinator(engine.comm, separate=True)
+        background = Coordinator(view.comm, separate=True)
         self._what = str(save_dir / tag)
 
         def run() -> None:
@@ -403,25 +402,24 @@ class Checkpointer:
         return True
 
     def _index(self, plan: RankPlan, tag: str, client_state: Optional[dict]) -> dict:
-        engine = self.engine
+        view = self.view
         tensors: dict[str, torch.Tensor] = {}
         index = plan.index_skeleton()
         index["tag"] = tag
-        index["engine"] = {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
-                           "skipped_steps": engine.skipped_steps,
-                           "global_samples": engine.global_steps * engine.train_batch_size(),
-                           "train_batch_size": engine.train_batch_size(),
-                           "train_micro_batch_size_per_gpu": engine.train_micro_batch_size_per_gpu(),
-                           "gradient_accumulation_steps": engine.gradient_accumulation_steps()}
-        index["optimizer"] = optimizer_record(engine, tensors)
-        index["lr_scheduler"] = (encode(engine.lr_scheduler.state_dict(), tensors, "sched.", "lr_scheduler state")
-                                 if engine.lr_scheduler is not None else None)
-        index["loss_scaler"] = engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None
-        loader = getattr(engine, "training_dataloader", None)
+        index["engine"] = {"global_steps": view.global_steps, "micro_steps": view.micro_steps,
+                           "skipped_steps": view.skipped_steps,
+                           "global_samples": view.global_steps * view.train_batch_size,
+                           "train_batch_size": view.train_batch_size,
+                           "train_micro_batch_size_per_gpu": view.train_micro_batch_size_per_gpu,
+                           "gradient_accumulation_steps": view.gradient_accumulation_steps}
+        index["optimizer"] = optimizer_record(view, tensors)
+        index["lr_scheduler"] = (encode(view.lr_scheduler.state_dict(), tensors, "sched.", "lr_scheduler state")
+                                 if view.lr_scheduler is not None else None)
+        index["loss_scaler"] = view.loss_scaler.state_dict() if view.loss_scaler is not None else None
+        loader = view.training_dataloader
         index["data_loader"] = loader.state_dict() if hasattr(loader, "state_dict") else None
         index["client_state"] = encode(client_state if client_state is not None else {}, tensors, "client.")
         for k, v in tensors.items():
             plan.add_whole(k, v)
-        import zerodp
-        index["zerodp_version"], index["torch_version"] = zerodp.__version__, torch.__version__
+        index["zerodp_version"], index["torch_version"] = __version__, torch.__version__
         return index

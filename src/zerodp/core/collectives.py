@@ -71,6 +71,11 @@ class Comm:
 
     ``group`` is always explicit (``None`` means the default group) so that data-parallel
     groups narrower than the world (hybrid or tensor-parallel layouts) use the same code.
+
+    Its facts: ``distributed`` (a process group is initialized), ``world_size`` and ``rank``
+    within ``group``, ``backend`` (``"nccl"``, ``"gloo"``, or ``"none"`` without one),
+    ``global_ranks`` (the global rank of each rank of ``group``, in group order), and
+    ``counter`` (the bytes moved, ``CommCounter``).
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None) -> None:
@@ -80,11 +85,11 @@ class Comm:
             self.world_size = dist.get_world_size(group)
             self.rank = dist.get_rank(group)
             self.backend = str(dist.get_backend(group)).lower()
-            self._global_ranks = [dist.get_global_rank(group, i) if group is not None else i
-                                  for i in range(self.world_size)]
+            self.global_ranks = [dist.get_global_rank(group, i) if group is not None else i
+                                 for i in range(self.world_size)]
         else:
             self.world_size, self.rank, self.backend = 1, 0, "none"
-            self._global_ranks = [0]
+            self.global_ranks = [0]
         self.counter = CommCounter()
 
     @property
@@ -120,7 +125,7 @@ class Comm:
             works = [dist.reduce_scatter_single(chunks[self.rank], full, op=dist.ReduceOp.SUM,
                                                 group=self.group, async_op=True)]
         else:
-            works = [dist.reduce(c, dst=self._global_ranks[i], op=dist.ReduceOp.SUM,
+            works = [dist.reduce(c, dst=self.global_ranks[i], op=dist.ReduceOp.SUM,
                                  group=self.group, async_op=True) for i, c in enumerate(chunks)]
         return self._finish(Handle(works, then), async_op)
 
@@ -139,7 +144,7 @@ class Comm:
         if self.use_tensor_forms:
             works = [dist.all_gather_single(full, chunks[self.rank], group=self.group, async_op=True)]
         else:
-            works = [dist.broadcast(c, src=self._global_ranks[i], group=self.group, async_op=True)
+            works = [dist.broadcast(c, src=self.global_ranks[i], group=self.group, async_op=True)
                      for i, c in enumerate(chunks)]
         return self._finish(Handle(works, then), async_op)
 
@@ -158,7 +163,7 @@ class Comm:
     def broadcast(self, tensor: torch.Tensor, src_rank: int = 0) -> None:
         """Broadcast ``tensor`` from group rank ``src_rank`` (used at start-up, not counted)."""
         if self.world_size > 1:
-            dist.broadcast(tensor, src=self._global_ranks[src_rank], group=self.group)
+            dist.broadcast(tensor, src=self.global_ranks[src_rank], group=self.group)
 
     @staticmethod
     def _finish(handle: Handle, async_op: bool) -> Handle:

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from . import device
 from .memory import measure_model_states
+from .view import CheckpointView
 
 
 class EngineAPI:
@@ -27,8 +28,12 @@ class EngineAPI:
 
     @property
     def skipped_steps(self) -> int:
-        """Optimizer steps skipped because fp16 gradients overflowed."""
+        """Optimizer steps skipped because fp16 gradients overflowed (a load sets it)."""
         return self._skipped_steps
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._skipped_steps = value
 
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups]
@@ -81,6 +86,11 @@ class EngineAPI:
 
     # -- checkpoints (``checkpoint/``) ----------------------------------------------------
 
+    def checkpoint_view(self) -> CheckpointView:
+        """What checkpoints read and write of this engine (``core/view.py``): ``checkpoint/``
+        is given this view, never the engine."""
+        return CheckpointView(self)
+
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False, async_save: Optional[bool] = None) -> bool:
         """Save to ``save_dir/tag`` (default tag ``global_step{N}``): every rank writes its shard
@@ -91,7 +101,7 @@ class EngineAPI:
         it. See ``zerodp/checkpoint/save.py``."""
         if self._checkpointer is None:
             from ..checkpoint.save import Checkpointer
-            self._checkpointer = Checkpointer(self)
+            self._checkpointer = Checkpointer(self.checkpoint_view())
         if async_save is None:
             async_save = self.config.checkpoint.async_save
         return self._checkpointer.save(save_dir, tag, client_state, save_latest,
@@ -105,7 +115,7 @@ class EngineAPI:
         ``(None, None)`` when there is no ``latest`` to follow. Every rank must call it."""
         self.wait_for_checkpoint()
         from ..checkpoint import load_checkpoint
-        return load_checkpoint(self, load_dir, tag, load_module_strict=load_module_strict,
+        return load_checkpoint(self.checkpoint_view(), load_dir, tag, load_module_strict=load_module_strict,
                                load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states,
                                load_module_only=load_module_only)
@@ -121,7 +131,7 @@ class EngineAPI:
         ``save_dir/save_filename`` from rank 0: safetensors for a ``.safetensors`` name,
         otherwise ``torch.save`` of the state dict. Every rank must call it."""
         from ..checkpoint.consolidate import save_16bit_model
-        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+        return save_16bit_model(self.checkpoint_view(), save_dir, save_filename, exclude_frozen_parameters)
 
     # -- DeepSpeed's engine queries --------------------------------------------------------
 

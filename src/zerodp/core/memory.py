@@ -6,22 +6,40 @@ Adam moments 8Ψ; the sharded parts divided by N, plus padding).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import torch
 
 if TYPE_CHECKING:
-    from .engine import ZeroEngine
+    from ..config import ZeroConfig
+    from ..offload.optimizer import OptimizerOffload
+    from .flat import FlatGroup
+    from .gather import Unit
 
 CATEGORIES = ("parameters", "gradients", "master_weights", "optimizer_states",
               "optimizer_scalars", "gathered_parameters", "gradient_buckets")
+
+
+class MeasuredEngine(Protocol):
+    """What the ledger reads of an engine (a ``ZeroEngine``, not imported here: the engine
+    imports this module)."""
+
+    flat_groups: "list[FlatGroup]"            # every flat group
+    trainable: "list[FlatGroup]"              # the groups the optimizer updates
+    optimizer: torch.optim.Optimizer
+    units: "list[Unit]"                       # stage-3 units (empty below stage 3)
+    prefetcher: Any                           # stage 3: the units' prefetcher (peak_gathered_bytes)
+    zero_config: "ZeroConfig"
+    offload: "Optional[OptimizerOffload]"
+    peak_bucket_bytes: int                    # the most stage-2 bucket bytes alive at once
+    _buckets: dict[int, torch.Tensor]         # the stage-2 gradient buckets alive now
 
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def measure_model_states(engine: "ZeroEngine") -> dict[str, int]:
+def measure_model_states(engine: MeasuredEngine) -> dict[str, int]:
     """Bytes held on this rank, by category, from the engine's tensors.
 
     * ``parameters``: the persistent flat parameter buffers (full at stages 0-2, this rank's
@@ -77,7 +95,7 @@ def measure_model_states(engine: "ZeroEngine") -> dict[str, int]:
     return out
 
 
-def _placement(engine: "ZeroEngine", out: dict[str, int], off) -> dict[str, int]:
+def _placement(engine: MeasuredEngine, out: dict[str, int], off) -> dict[str, int]:
     """With offload: model-state bytes on the compute device, in host memory and on disk, the
     offload's host transfer buffers, and (disk offload) the most bytes of tiles read into host
     memory at once so far."""

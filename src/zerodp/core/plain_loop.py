@@ -24,19 +24,39 @@ from __future__ import annotations
 
 import types
 import weakref
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Protocol
 
 import torch
 from torch.autograd import Variable
 
 if TYPE_CHECKING:
-    from .engine import ZeroEngine
+    from .gather import Unit
+    from .precision import LossScaler
+    from .stages import StagePolicy
+
+
+class LoopEngine(Protocol):
+    """What the plain loop uses of its engine (a ``ZeroEngine``, not imported here: the engine
+    imports this module)."""
+
+    optimizer: torch.optim.Optimizer
+    loss_scaler: "Optional[LossScaler]"
+    policy: "StagePolicy"
+    units: "list[Unit]"                 # stage-3 units (empty below stage 3)
+    _plain: "PlainLoop"
+    _reducing: bool                     # this backward reduces its gradients
+    _in_no_sync: bool
+
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
+    def _reset_backward_state(self) -> None: ...
+    def _finish_reduction(self) -> None: ...
+    def _update(self, count_micro_step: bool) -> None: ...
 
 
 class PlainLoop:
     """One engine's support for the plain loop (see module docstring)."""
 
-    def __init__(self, engine: "ZeroEngine") -> None:
+    def __init__(self, engine: LoopEngine) -> None:
         self._engine = weakref.ref(engine)
         self.active = False             # a plain backward is running
         self.local_grads = False        # stages 0-1: gradients accumulated, not yet reduced

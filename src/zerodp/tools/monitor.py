@@ -273,7 +273,7 @@ class TrainingMonitor:
     # -- run_info.json --------------------------------------------------------------------
 
     def _run_info(self, engine: Any) -> dict[str, Any]:
-        from .. import __version__
+        from .._version import __version__
         groups = getattr(engine, "flat_groups", [])
         cfg = getattr(engine, "config", None)
         return {

@@ -1,0 +1,167 @@
+"""What a checkpoint reads and writes of an engine: ``CheckpointView``.
+
+``checkpoint/`` (save, load, consolidate, the layout) sees an engine only through this view,
+so everything a checkpoint depends on is declared here, one member a line, and the engine's
+other attributes can change without breaking checkpoints. ``engine.checkpoint_view()`` gives
+one. It is a window onto the live engine, not a copy: a counter read through it is the
+engine's counter now, and the few writes a load makes go through its methods
+(:meth:`CheckpointView.restore_step_counters`, :meth:`~CheckpointView.release_units`,
+:meth:`~CheckpointView.zero_grad`); tensors, optimizer state, the scheduler, the loss scale
+and the data position are changed through the objects the view hands out.
+
+RNG states are not here: they belong to the process (Python's, NumPy's and torch's global
+generators), and ``checkpoint/state.py`` captures and restores them directly.
+
+This module does not import the engine (``core/engine.py``, ``core/engine_api.py``): the
+engine imports ``checkpoint/`` to save and load, and ``checkpoint/`` imports this view.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from ..offload.optimizer import OptimizerOffload
+    from .collectives import Comm
+    from .flat import FlatGroup
+    from .precision import LossScaler, PrecisionPolicy
+
+
+class CheckpointView:
+    """What ``checkpoint/`` may read and write of one engine (see module docstring).
+
+    ``engine`` is a ``ZeroEngine``; only its public members are read.
+    """
+
+    __slots__ = ("_engine",)
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+
+    # -- the model and its training state --------------------------------------------------
+
+    @property
+    def module(self) -> "nn.Module":
+        """The model as built (inside a ``torch.compile`` wrapper): parameter and buffer names."""
+        return self._engine.base_module
+
+    @property
+    def flat_groups(self) -> "list[FlatGroup]":
+        """Every flat group, in order: parameters, their shards and pieces, fp32 masters."""
+        return self._engine.flat_groups
+
+    @property
+    def optimizer(self) -> "torch.optim.Optimizer":
+        """The optimizer over this rank's pieces (``piece_params`` of the trainable groups)."""
+        return self._engine.optimizer
+
+    @property
+    def lr_scheduler(self) -> Optional[Any]:
+        """The learning-rate scheduler (a torch ``LRScheduler``), or None."""
+        return self._engine.lr_scheduler
+
+    @property
+    def loss_scaler(self) -> "Optional[LossScaler]":
+        """The fp16 loss scaler, or None without fp16."""
+        return self._engine.loss_scaler
+
+    @property
+    def offload(self) -> "Optional[OptimizerOffload]":
+        """The optimizer offload (masters and states on the host or on disk), or None."""
+        return self._engine.offload
+
+    @property
+    def training_dataloader(self) -> Optional[Any]:
+        """The training data loader whose position checkpoints keep (``state_dict``), or None."""
+        return self._engine.training_dataloader
+
+    # -- how the state is laid out ---------------------------------------------------------
+
+    @property
+    def zero_stage(self) -> int:
+        """The ZeRO stage, 0 to 3."""
+        return self._engine.zero_stage
+
+    @property
+    def precision(self) -> "PrecisionPolicy":
+        """The precision policy: which groups keep fp32 masters (``keeps_master(dtype)``)."""
+        return self._engine.precision
+
+    @property
+    def compute_dtype(self) -> str:
+        """The training dtype as the config names it: ``"fp32"``, ``"bf16"`` or ``"fp16"``."""
+        return self._engine.config.compute_dtype
+
+    @property
+    def device(self) -> "torch.device":
+        """The device the engine's tensors live on."""
+        return self._engine.device
+
+    # -- the data-parallel group -----------------------------------------------------------
+
+    @property
+    def comm(self) -> "Comm":
+        """The data-parallel group's collectives (the coordinator's group, store key and all-gather)."""
+        return self._engine.comm
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank within the data-parallel group."""
+        return self._engine.dp_rank
+
+    @property
+    def dp_world_size(self) -> int:
+        """The number of ranks in the data-parallel group."""
+        return self._engine.dp_world_size
+
+    # -- counters and batch sizes ----------------------------------------------------------
+
+    @property
+    def global_steps(self) -> int:
+        """Optimizer steps taken (skipped fp16 steps included)."""
+        return self._engine.global_steps
+
+    @property
+    def micro_steps(self) -> int:
+        """Micro-batches stepped."""
+        return self._engine.micro_steps
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped because fp16 gradients overflowed."""
+        return self._engine.skipped_steps
+
+    def restore_step_counters(self, global_steps: int, micro_steps: int, skipped_steps: int) -> None:
+        """Set the three counters above (a load, from the checkpoint's)."""
+        engine = self._engine
+        engine.global_steps = global_steps
+        engine.micro_steps = micro_steps
+        engine.skipped_steps = skipped_steps
+
+    @property
+    def train_batch_size(self) -> int:
+        """Samples per optimizer step over all ranks."""
+        return self._engine.train_batch_size()
+
+    @property
+    def train_micro_batch_size_per_gpu(self) -> int:
+        """Samples per micro-batch on one rank."""
+        return self._engine.train_micro_batch_size_per_gpu()
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step."""
+        return self._engine.gradient_accumulation_steps()
+
+    # -- what a load does to the engine besides filling tensors ----------------------------
+
+    def release_units(self) -> None:
+        """Stage 3: release every gathered unit, so a load writes into the shards alone."""
+        for unit in self._engine.units:
+            unit.release()
+
+    def zero_grad(self) -> None:
+        """Clear every gradient (after a load, none belongs to the loaded state)."""
+        self._engine.zero_grad()

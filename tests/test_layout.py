@@ -1,0 +1,156 @@
+"""The package's import graph has no cycle.
+
+Every ``.py`` file under ``src/zerodp`` is parsed with ``ast`` and every import of a zerodp
+module becomes an edge: module-level imports, imports inside functions, and imports under
+``if TYPE_CHECKING:`` alike (an annotation-only import still says that one module depends on
+the other). Relative imports are resolved against the importing module's package. Importing a
+package (``import zerodp.checkpoint``, ``from zerodp import checkpoint`` where ``checkpoint`` is
+a package) is an edge to its ``__init__.py``; ``from pkg import name`` where ``pkg.name`` is a
+module is an edge to that module, otherwise to ``pkg/__init__.py``. The parent packages Python
+initializes on the way to a module are not edges (every module would otherwise depend on
+``zerodp/__init__.py``).
+
+No edge is excluded: the top-level ``zerodp/__init__.py`` takes part like any other module.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Optional
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+PACKAGE = "zerodp"
+
+
+def module_files(src: Path = SRC, package: str = PACKAGE) -> dict[str, Path]:
+    """Dotted module name -> file, for every module and package under ``src/package``."""
+    out = {}
+    for path in sorted((src / package).rglob("*.py")):
+        parts = list(path.relative_to(src).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _resolve(importer: str, is_package: bool, level: int, module: Optional[str]) -> str:
+    """The absolute name a (possibly relative) ``from ... import`` refers to."""
+    if level == 0:
+        return module or ""
+    base = importer.split(".")
+    if not is_package:
+        base = base[:-1]
+    if level > 1:
+        base = base[:len(base) - (level - 1)]
+    return ".".join(base + ([module] if module else []))
+
+
+def import_edges(modules: dict[str, Path], package: str = PACKAGE) -> dict[str, dict[str, int]]:
+    """Importer -> {imported module: line of the first such import}, within ``package``."""
+    edges: dict[str, dict[str, int]] = {name: {} for name in modules}
+
+    def add(importer: str, target: str, line: int) -> None:
+        if target == importer or target not in modules:
+            return
+        edges[importer].setdefault(target, line)
+
+    for name, path in modules.items():
+        is_package = path.name == "__init__.py"
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name == package or alias.name.startswith(package + "."):
+                        add(name, alias.name, node.lineno)
+            elif isinstance(node, ast.ImportFrom):
+                base = _resolve(name, is_package, node.level, node.module)
+                if base != package and not base.startswith(package + "."):
+                    continue
+                for alias in node.names:
+                    sub = f"{base}.{alias.name}"
+                    add(name, sub if sub in modules else base, node.lineno)
+    return edges
+
+
+def find_cycle(edges: dict[str, dict[str, int]]) -> Optional[list[str]]:
+    """A cycle ``[a, b, ..., a]`` of the graph, or None (iterative depth-first search)."""
+    WHITE, GREY, BLACK = 0, 1, 2
+    color = dict.fromkeys(edges, WHITE)
+    for start in sorted(edges):
+        if color[start] != WHITE:
+            continue
+        color[start] = GREY
+        stack = [(start, iter(sorted(edges[start])))]
+        while stack:
+            node, children = stack[-1]
+            child = next(children, None)
+            if child is None:
+                color[node] = BLACK
+                stack.pop()
+            elif color[child] == GREY:
+                path = [n for n, _ in stack]
+                return path[path.index(child):] + [child]
+            elif color[child] == WHITE:
+                color[child] = GREY
+                stack.append((child, iter(sorted(edges[child]))))
+    return None
+
+
+def describe(cycle: list[str], edges: dict[str, dict[str, int]], modules: dict[str, Path]) -> str:
+    lines = [f"import cycle of {len(cycle) - 1} modules:"]
+    for a, b in zip(cycle, cycle[1:]):
+        where = modules[a].relative_to(SRC)
+        lines.append(f"  {a} imports {b}  ({where}:{edges[a][b]})")
+    return "\n".join(lines)
+
+
+def test_the_import_graph_has_no_cycle():
+    modules = module_files()
+    assert f"{PACKAGE}.core.engine" in modules and f"{PACKAGE}.checkpoint.save" in modules
+    edges = import_edges(modules)
+    assert sum(map(len, edges.values())) > 50, "too few import edges found: the parser misses imports"
+    cycle = find_cycle(edges)
+    assert cycle is None, describe(cycle, edges, modules)
+
+
+def test_checkpoints_see_the_engine_only_through_its_view():
+    """``checkpoint/`` and ``core/view.py`` import neither ``core/engine.py`` nor
+    ``core/engine_api.py``, not even for annotations: a checkpoint is given a ``CheckpointView``."""
+    modules = module_files()
+    edges = import_edges(modules)
+    engine = {f"{PACKAGE}.core.engine", f"{PACKAGE}.core.engine_api"}
+    importers = [m for m in modules if m == f"{PACKAGE}.checkpoint" or m.startswith(f"{PACKAGE}.checkpoint.")]
+    importers.append(f"{PACKAGE}.core.view")
+    found = [f"{m} imports {t} ({modules[m].relative_to(SRC)}:{edges[m][t]})"
+             for m in importers for t in sorted(engine & edges[m].keys())]
+    assert not found, "\n".join(found)
+
+
+def test_the_checker_finds_cycles_of_every_import_form(tmp_path):
+    """Module-level, function-level and TYPE_CHECKING imports, absolute and relative, and
+    package imports each close a cycle the checker reports."""
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    files = {
+        "__init__.py": "",
+        "a.py": "from .b import f\n",
+        "b.py": "def f():\n    from .sub import c\n",
+        "sub/__init__.py": "",
+        "sub/c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pkg.d\n",
+        "d.py": "from . import sub\n",
+        "sub/e.py": "",
+    }
+    for rel, text in files.items():
+        (pkg / rel).write_text(text, encoding="utf-8")
+    modules = module_files(tmp_path, "pkg")
+    edges = import_edges(modules, "pkg")
+    assert edges["pkg.a"] == {"pkg.b": 1}
+    assert edges["pkg.b"] == {"pkg.sub.c": 2}
+    assert edges["pkg.sub.c"] == {"pkg.d": 3}
+    assert edges["pkg.d"] == {"pkg.sub": 1}
+    assert find_cycle(edges) is None
+    (pkg / "sub/__init__.py").write_text("from ..a import f\n", encoding="utf-8")
+    edges = import_edges(module_files(tmp_path, "pkg"), "pkg")
+    cycle = find_cycle(edges)
+    assert cycle is not None and cycle[0] == cycle[-1]
+    assert set(cycle) == {"pkg.a", "pkg.b", "pkg.sub.c", "pkg.d", "pkg.sub"}
