@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...core.engine import MAX_BUCKETS_IN_FLIGHT
+from ...core.reduce import MAX_BUCKETS_IN_FLIGHT
 from .model import ModelInfo
 from .report import _num
 
