@@ -15,6 +15,8 @@ if TYPE_CHECKING:
     from ..offload.optimizer import OptimizerOffload
     from .flat import FlatGroup
     from .gather import Unit
+    from .reduce import GradReducer
+    from .stages import StagePolicy
 
 CATEGORIES = ("parameters", "gradients", "master_weights", "optimizer_states",
               "optimizer_scalars", "gathered_parameters", "gradient_buckets")
@@ -27,12 +29,12 @@ class MeasuredEngine(Protocol):
     flat_groups: "list[FlatGroup]"            # every flat group
     trainable: "list[FlatGroup]"              # the groups the optimizer updates
     optimizer: torch.optim.Optimizer
+    policy: "StagePolicy"                     # the stage table row of this engine
     units: "list[Unit]"                       # stage-3 units (empty below stage 3)
     prefetcher: Any                           # stage 3: the units' prefetcher (peak_gathered_bytes)
     zero_config: "ZeroConfig"
     offload: "Optional[OptimizerOffload]"
-    peak_bucket_bytes: int                    # the most stage-2 bucket bytes alive at once
-    _buckets: dict[int, torch.Tensor]         # the stage-2 gradient buckets alive now
+    reducer: "GradReducer"                    # the gradient buckets alive now and their peak
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -32,6 +32,7 @@ from torch.autograd import Variable
 if TYPE_CHECKING:
     from .gather import Unit
     from .precision import LossScaler
+    from .reduce import GradReducer
     from .stages import StagePolicy
 
 
@@ -43,14 +44,11 @@ class LoopEngine(Protocol):
     loss_scaler: "Optional[LossScaler]"
     policy: "StagePolicy"
     units: "list[Unit]"                 # stage-3 units (empty below stage 3)
-    _plain: "PlainLoop"
-    _reducing: bool                     # this backward reduces its gradients
-    _in_no_sync: bool
+    reducer: "GradReducer"              # the backward's gradient reduction
+    in_no_sync: bool                    # inside engine.no_sync(): gradients stay local
 
     def zero_grad(self, set_to_none: bool = True) -> None: ...
-    def _reset_backward_state(self) -> None: ...
-    def _finish_reduction(self) -> None: ...
-    def _update(self, count_micro_step: bool) -> None: ...
+    def update_parameters(self, count_micro_step: bool) -> None: ...
 
 
 class PlainLoop:
