@@ -230,9 +230,11 @@ def test_ops_adam_as_client_optimizer():
 # -- small things a new user meets -------------------------------------------------------------
 
 def test_bad_optimizer_value_names_the_config_key():
+    """Through initialize (the table of cases is test_config.py's malformed-config test)."""
     m = nn.Linear(3, 2)
-    with pytest.raises(zerodp.ConfigError, match=r"optimizer\.params\.lr"):
-        zerodp.initialize(model=m, config={"train_batch_size": 1, "optimizer": {"type": "AdamW", "params": {"lr": -1}}})
+    for params, key in (({"lr": -1}, "lr"), ({"lr": "fast"}, "lr"), ({"betas": [0.9]}, "betas")):
+        with pytest.raises(zerodp.ConfigError, match=rf"^optimizer\.params\.{key}: got "):
+            zerodp.initialize(model=m, config={"train_batch_size": 1, "optimizer": {"type": "AdamW", "params": params}})
 
 
 def test_numpy_is_a_dependency():
