@@ -147,13 +147,23 @@ def test_batch_only_train_batch_size():
     assert "10" in msg and "world_size 4" in msg
 
 
-def test_batch_one_or_none_given():
+def test_batch_one_given():
     assert batch(2, train_micro_batch_size_per_gpu=8) == (16, 8, 1)
-    assert batch(2, gradient_accumulation_steps=3) == (6, 1, 3)
-    assert batch(2) == (2, 1, 1)
-    assert batch(1, train_batch_size="auto", train_micro_batch_size_per_gpu="auto",
-                 gradient_accumulation_steps="auto") == (1, 1, 1)
-    assert resolve_batch_sizes(load_quietly(preset="zero1"), 4) == (4, 1, 1)
+    assert batch(2, train_micro_batch_size_per_gpu=8, train_batch_size="auto", gradient_accumulation_steps="auto") \
+        == (16, 8, 1)
+    assert batch(2, train_batch_size=8, train_micro_batch_size_per_gpu="auto") == (8, 4, 1)
+    # none given: refused (test_malformed_config_names_key_and_value has the cases)
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_presets_leave_the_batch_size_to_fill_in(name):
+    """A preset's micro-batch is "auto": the engine refuses it until someone fills it in (zerodp
+    train does), and takes the preset once it is."""
+    with pytest.raises(ConfigError, match="train_micro_batch_size_per_gpu"):
+        resolve_batch_sizes(load_quietly(preset=name), 4)
+    cfg = load_quietly({"train_micro_batch_size_per_gpu": 3}, preset=name)
+    assert resolve_batch_sizes(cfg, 4) == (12, 3, 1)
+    optimizer_from_config(cfg.optimizer.type, cfg.optimizer.params)
 
 
 def test_batch_bad_world_size():
@@ -179,6 +189,7 @@ def check_before_training(config, world_size=2):
 
 
 _MICRO = {"train_micro_batch_size_per_gpu": 2}
+_BATCH_KEYS = "train_batch_size, train_micro_batch_size_per_gpu"
 
 
 def _opt(params, kind="AdamW"):
@@ -193,6 +204,15 @@ def _opt(params, kind="AdamW"):
     ({"gradient_clipping": -1.0}, "gradient_clipping", "-1.0", "allowed"),
     ({"steps_per_print": 0}, "steps_per_print", "0", "allowed"),
     ({"scheduler": {"type": "OneCycle"}}, "scheduler.type", "OneCycle", "allowed"),
+    # no batch size: refused as DeepSpeed refuses it, not trained with micro-batch 1
+    ({"train_micro_batch_size_per_gpu": "auto", "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}},
+     _BATCH_KEYS, 'train_micro_batch_size_per_gpu "auto"', "needs to be provided"),
+    ({}, _BATCH_KEYS, "none of", "needs to be provided"),
+    ({"train_batch_size": None, "train_micro_batch_size_per_gpu": None}, _BATCH_KEYS, "none of",
+     "needs to be provided"),
+    ({"gradient_accumulation_steps": 4}, _BATCH_KEYS, "gradient_accumulation_steps 4", "needs to be provided"),
+    ({"train_batch_size": "auto", "gradient_accumulation_steps": "auto"}, _BATCH_KEYS, '"auto"',
+     "needs to be provided"),
     # optimizer.params: the value's type and shape, checked against the optimizer's constructor
     (_opt({"lr": "fast"}), "optimizer.params.lr", '"fast"', "allowed: a number"),
     (_opt({"lr": True}), "optimizer.params.lr", "true", "allowed: a number"),
