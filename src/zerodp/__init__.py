@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from . import _moved, accelerator, checkpointing, comm, ops, unsupported, utils, zero  # noqa: F401 (DeepSpeed's modules)
+from .core import teardown
 from .checkpoint import CheckpointError
 from .comm import init_distributed
 from .config import PRESETS, Config, ConfigError, load_config, resolve_batch_sizes
@@ -138,6 +139,7 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
                 f"train_micro_batch_size_per_gpu: the config gives {micro} (world size {world}), but the "
                 f"DataLoader passed as training_data yields batches of {training_data.batch_size}; make "
                 "them agree, or leave train_batch_size and train_micro_batch_size_per_gpu out of the config")
+    teardown.install()
     engine = ZeroEngine(model, cfg, model_parameters=model_parameters, optimizer=optimizer,
                         lr_scheduler=lr_scheduler, process_group=process_group,
                         unit_classes=unit_classes, param_init_fn=param_init_fn)
