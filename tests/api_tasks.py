@@ -380,7 +380,7 @@ def _error_cases():
 
     def lamb_config(group):
         model = build_model("net")
-        zerodp.initialize(model=model, config={"optimizer": {"type": "Lamb", "params": {"lr": 0.1}}},
+        zerodp.initialize(model=model, config={**plain_cfg, "optimizer": {"type": "Lamb", "params": {"lr": 0.1}}},
                           process_group=group)
 
     def bad_stage(group):

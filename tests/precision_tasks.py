@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import zerodp
+from zerodp.core.precision import LossScaleAtMinimumError
 from parity_model import ADAMW, batch, build_model, gathered_params, param_groups, use_branch
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -233,6 +234,47 @@ def overflow_task(group, stage: int, inject: list[int], window: int, hysteresis:
     finally:
         engine.destroy()
     return {"rows": rows, "error": None}
+
+
+def overflow_at_minimum_task(group, stage: int, gas: int = 1) -> list[dict]:
+    """fp16 already at its minimum loss scale; rank 0 (only) turns a gradient into inf in the
+    first micro-batch of step 1, and every other batch is clean. Returns per step: the error
+    step() raised (or None), whether the parameters changed, and the step counters after it."""
+    rank = dist.get_rank(group)
+    world = dist.get_world_size(group)
+    engine = _mlp_engine(group, stage, {
+        "train_batch_size": 4 * gas * world, "gradient_accumulation_steps": gas,
+        "fp16": {"enabled": True, "initial_scale_power": 4, "min_loss_scale": 16, "hysteresis": 1,
+                 "loss_scale_window": 100}})
+    state = {"at": None}
+
+    def poison(grad):
+        if rank == 0 and state["at"] == (1, 0):
+            grad = grad.clone()
+            grad.view(-1)[0] = float("inf")
+        return grad
+    engine.module.a.weight.register_hook(poison)
+    gen = torch.Generator().manual_seed(rank)
+    rows = []
+    try:
+        for step in range(4):
+            before = {n: p.detach().float().clone() for n, p in gathered_params(engine).items()}
+            error = None
+            try:
+                for m in range(gas):
+                    state["at"] = (step, m)
+                    engine.backward(engine(torch.randn(4, 8, generator=gen)).float().pow(2).mean())
+                    engine.step()
+            except LossScaleAtMinimumError as e:
+                error = str(e)
+            after = gathered_params(engine)
+            rows.append({"error": error, "changed": any(not torch.equal(before[n], p.float()) for n, p in after.items()),
+                         "skipped": engine.skipped_steps, "global_steps": engine.global_steps,
+                         "micro_steps": engine.micro_steps, "scale": engine.loss_scale,
+                         "norm_finite": math.isfinite(engine.get_global_grad_norm())})
+    finally:
+        engine.destroy()
+    return rows
 
 
 # -- casting ---------------------------------------------------------------------------------------

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import checkpoint_tasks as ct
-from zerodp.checkpoint import get_fp32_state_dict_from_zero_checkpoint, list_tags
+from zerodp.checkpoint import CheckpointError, get_fp32_state_dict_from_zero_checkpoint, list_tags
+from zerodp.checkpoint.load import open_source
 
 HERE = Path(__file__).parent
 
@@ -101,6 +102,24 @@ def test_client_state_that_is_not_json_fails_on_every_rank(pool, tmp_path):
     for r in out:
         assert "client_state['bad']: a builtins.object cannot be stored" in r["error"]
     assert not any(tmp_path.glob(".*.partial")) and not (tmp_path / "latest").exists()
+
+
+def test_legacy_torch_pickle_is_named_and_refused(tmp_path):
+    """A DeepSpeed-named file in torch.save's legacy (non-zip) format: refused, unpickled, with
+    the format named (not called truncated); a damaged zip file is still called truncated."""
+    tag = tmp_path / "global_step1"
+    tag.mkdir()
+    path = tag / "mp_rank_00_model_states.pt"
+    torch.save({"module": {"w": torch.zeros(2)}, "dp_world_size": 1}, path, _use_new_zipfile_serialization=False)
+    with pytest.raises(CheckpointError) as err:
+        open_source(tag)
+    msg = str(err.value)
+    assert str(path) in msg and "legacy format" in msg and "_use_new_zipfile_serialization=False" in msg
+    assert "not loaded" in msg and "truncated" not in msg
+    torch.save({"module": {"w": torch.zeros(2)}}, path)
+    os.truncate(path, path.stat().st_size // 2)
+    with pytest.raises(CheckpointError, match="truncated or is not a torch.save file"):
+        open_source(tag)
 
 
 @pytest.mark.parametrize("phase", ["write", "index", "rename", "latest", "overwrite"])

@@ -3,6 +3,7 @@ import warnings
 
 import pytest
 
+from zerodp.optim.build import optimizer_from_config
 from zerodp.config import (
     PRESETS,
     Config,
@@ -146,13 +147,23 @@ def test_batch_only_train_batch_size():
     assert "10" in msg and "world_size 4" in msg
 
 
-def test_batch_one_or_none_given():
+def test_batch_one_given():
     assert batch(2, train_micro_batch_size_per_gpu=8) == (16, 8, 1)
-    assert batch(2, gradient_accumulation_steps=3) == (6, 1, 3)
-    assert batch(2) == (2, 1, 1)
-    assert batch(1, train_batch_size="auto", train_micro_batch_size_per_gpu="auto",
-                 gradient_accumulation_steps="auto") == (1, 1, 1)
-    assert resolve_batch_sizes(load_quietly(preset="zero1"), 4) == (4, 1, 1)
+    assert batch(2, train_micro_batch_size_per_gpu=8, train_batch_size="auto", gradient_accumulation_steps="auto") \
+        == (16, 8, 1)
+    assert batch(2, train_batch_size=8, train_micro_batch_size_per_gpu="auto") == (8, 4, 1)
+    # none given: refused (test_malformed_config_names_key_and_value has the cases)
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_presets_leave_the_batch_size_to_fill_in(name):
+    """A preset's micro-batch is "auto": the engine refuses it until someone fills it in (zerodp
+    train does), and takes the preset once it is."""
+    with pytest.raises(ConfigError, match="train_micro_batch_size_per_gpu"):
+        resolve_batch_sizes(load_quietly(preset=name), 4)
+    cfg = load_quietly({"train_micro_batch_size_per_gpu": 3}, preset=name)
+    assert resolve_batch_sizes(cfg, 4) == (12, 3, 1)
+    optimizer_from_config(cfg.optimizer.type, cfg.optimizer.params)
 
 
 def test_batch_bad_world_size():
@@ -166,21 +177,70 @@ def test_batch_value_must_be_positive():
     assert "train_micro_batch_size_per_gpu" in str(info.value) and "0" in str(info.value)
 
 
-# ---------------------------------------------------------------- schema errors
+# ---------------------------------------------------------------- malformed configs
 
-@pytest.mark.parametrize("config, path, value", [
-    ({"zero_optimization": {"stage": 5}}, "zero_optimization.stage", "5"),
-    ({"zero_optimization": {"reduce_bucket_size": 0}}, "zero_optimization.reduce_bucket_size", "0"),
-    ({"zero_optimization": {"allgather_bucket_size": 2.5}}, "zero_optimization.allgather_bucket_size", "2.5"),
-    ({"gradient_clipping": -1.0}, "gradient_clipping", "-1.0"),
-    ({"steps_per_print": 0}, "steps_per_print", "0"),
-    ({"scheduler": {"type": "OneCycle"}}, "scheduler.type", "OneCycle"),
+def check_before_training(config, world_size=2):
+    """What zerodp does to a config before it trains: validate it, resolve the batch sizes,
+    build the optimizer block (on a stand-in parameter)."""
+    cfg = load_config(config)
+    resolve_batch_sizes(cfg, world_size)
+    if cfg.optimizer is not None:
+        optimizer_from_config(cfg.optimizer.type, cfg.optimizer.params)
+
+
+_MICRO = {"train_micro_batch_size_per_gpu": 2}
+_BATCH_KEYS = "train_batch_size, train_micro_batch_size_per_gpu"
+
+
+def _opt(params, kind="AdamW"):
+    return {**_MICRO, "optimizer": {"type": kind, "params": params}}
+
+
+@pytest.mark.parametrize("config, path, value, why", [
+    ({"zero_optimization": {"stage": 5}}, "zero_optimization.stage", "5", "allowed"),
+    ({"zero_optimization": {"reduce_bucket_size": 0}}, "zero_optimization.reduce_bucket_size", "0", "allowed"),
+    ({"zero_optimization": {"allgather_bucket_size": 2.5}}, "zero_optimization.allgather_bucket_size", "2.5",
+     "allowed"),
+    ({"gradient_clipping": -1.0}, "gradient_clipping", "-1.0", "allowed"),
+    ({"steps_per_print": 0}, "steps_per_print", "0", "allowed"),
+    ({"scheduler": {"type": "OneCycle"}}, "scheduler.type", "OneCycle", "allowed"),
+    # no batch size: refused as DeepSpeed refuses it, not trained with micro-batch 1
+    ({"train_micro_batch_size_per_gpu": "auto", "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}},
+     _BATCH_KEYS, 'train_micro_batch_size_per_gpu "auto"', "needs to be provided"),
+    ({}, _BATCH_KEYS, "none of", "needs to be provided"),
+    ({"train_batch_size": None, "train_micro_batch_size_per_gpu": None}, _BATCH_KEYS, "none of",
+     "needs to be provided"),
+    ({"gradient_accumulation_steps": 4}, _BATCH_KEYS, "gradient_accumulation_steps 4", "needs to be provided"),
+    ({"train_batch_size": "auto", "gradient_accumulation_steps": "auto"}, _BATCH_KEYS, '"auto"',
+     "needs to be provided"),
+    # optimizer.params: the value's type and shape, checked against the optimizer's constructor
+    (_opt({"lr": "fast"}), "optimizer.params.lr", '"fast"', "allowed: a number"),
+    (_opt({"lr": True}), "optimizer.params.lr", "true", "allowed: a number"),
+    (_opt({"betas": [0.9]}), "optimizer.params.betas", "[0.9]", "allowed: a list of 2 numbers"),
+    (_opt({"betas": "0.9"}), "optimizer.params.betas", '"0.9"', "allowed: a list of 2 numbers"),
+    (_opt({"betas": [0.9, "x"]}, "Adam"), "optimizer.params.betas", '[0.9, "x"]', "allowed: a list of 2 numbers"),
+    (_opt({"eps": [1e-8]}), "optimizer.params.eps", "[1e-08]", "allowed: a number"),
+    (_opt({"amsgrad": "yes"}), "optimizer.params.amsgrad", '"yes"', "allowed: true or false"),
+    (_opt({"lr": 0.1, "momentum": "high"}, "SGD"), "optimizer.params.momentum", '"high"', "allowed: a number"),
+    (_opt({"lr": 0.1, "nesterov_foo": 1}, "SGD"), "optimizer.params.nesterov_foo", "1", "allowed: only SGD's"),
+    # optimizer.params: what the constructor itself refuses, traced back to the key at fault
+    (_opt({"lr": -1}), "optimizer.params.lr", "-1", "rejects it"),
+    (_opt({"betas": [0.9, 1.5]}), "optimizer.params.betas", "[0.9, 1.5]", "rejects it"),
+    (_opt({"eps": -1e-8, "lr": 1e-3}), "optimizer.params.eps", "-1e-08", "rejects it"),
+    (_opt({"lr": 0.1, "nesterov": True}, "SGD"), "optimizer.params.nesterov", "true", "rejects it"),
+    (_opt({"momentum_decay": -1}, "NAdam"), "optimizer.params.momentum_decay", "-1", "rejects it"),
+    (_opt({"lr": 0.1, "alpha": -0.5}, "RMSprop"), "optimizer.params.alpha", "-0.5", "rejects it"),
+    (_opt({"rho": 2.0}, "Adadelta"), "optimizer.params.rho", "2.0", "rejects it"),
+    # DeepSpeed keys torch cannot honour, and the type
+    (_opt({"bias_correction": False}, "Adam"), "optimizer.params.bias_correction", "false", "allowed: true"),
+    (_opt({"max_grad_norm": 1.0}), "optimizer.params.max_grad_norm", "1.0", "gradient_clipping"),
+    (_opt({}, "Foo"), "optimizer.type", '"Foo"', "supported types"),
 ])
-def test_schema_errors_name_path_and_value(config, path, value):
+def test_malformed_config_names_key_and_value(config, path, value, why):
     with pytest.raises(ConfigError) as info:
-        load_config(config)
+        check_before_training(config)
     msg = str(info.value)
-    assert path in msg and value in msg and "allowed" in msg
+    assert msg.startswith(path) and value in msg and why in msg, msg
 
 
 def test_bad_stage_lists_allowed_values():

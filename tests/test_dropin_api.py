@@ -230,9 +230,36 @@ def test_ops_adam_as_client_optimizer():
 # -- small things a new user meets -------------------------------------------------------------
 
 def test_bad_optimizer_value_names_the_config_key():
+    """Through initialize (the table of cases is test_config.py's malformed-config test)."""
     m = nn.Linear(3, 2)
-    with pytest.raises(zerodp.ConfigError, match=r"optimizer\.params\.lr"):
-        zerodp.initialize(model=m, config={"train_batch_size": 1, "optimizer": {"type": "AdamW", "params": {"lr": -1}}})
+    for params, key in (({"lr": -1}, "lr"), ({"lr": "fast"}, "lr"), ({"betas": [0.9]}, "betas")):
+        with pytest.raises(zerodp.ConfigError, match=rf"^optimizer\.params\.{key}: got "):
+            zerodp.initialize(model=m, config={"train_batch_size": 1, "optimizer": {"type": "AdamW", "params": params}})
+
+
+def test_batch_size_from_a_dataloader_passed_as_training_data():
+    """No batch size in the config is refused (as DeepSpeed refuses it), unless training_data is
+    a DataLoader: its batch_size is then the micro-batch, and it is returned as it is."""
+    data = torch.utils.data.TensorDataset(torch.randn(12, 3), torch.randn(12, 2))
+    loader = torch.utils.data.DataLoader(data, batch_size=4)
+    sgd = {"type": "SGD", "params": {"lr": 0.1}}
+    engine, _, got, _ = zerodp.initialize(model=nn.Linear(3, 2), config={"optimizer": sgd}, training_data=loader)
+    try:
+        assert got is loader and engine.training_dataloader is loader
+        assert (engine.train_micro_batch_size_per_gpu(), engine.train_batch_size()) == (4, 4)
+        x, y = next(iter(got))
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        engine.step()
+        assert engine.global_steps == 1
+    finally:
+        engine.destroy()
+    with pytest.raises(zerodp.ConfigError, match=r"train_micro_batch_size_per_gpu: the config gives 2.*batches of 4"):
+        zerodp.initialize(model=nn.Linear(3, 2), training_data=loader,
+                          config={"train_micro_batch_size_per_gpu": 2, "optimizer": sgd})
+    with pytest.raises(zerodp.ConfigError, match="train_batch_size, train_micro_batch_size_per_gpu"):
+        zerodp.initialize(model=nn.Linear(3, 2), config={"optimizer": sgd}, training_data=data)
+    with pytest.raises(zerodp.ConfigError, match="train_batch_size, train_micro_batch_size_per_gpu"):
+        zerodp.initialize(model=nn.Linear(3, 2), preset="zero1")
 
 
 def test_numpy_is_a_dependency():

@@ -21,8 +21,8 @@ import math
 import pytest
 import torch
 
-from precision_tasks import (casting_task, gpt_losses_task, modify_gathered_task, overflow_task,
-                             reference_mixed, train_mixed)
+from precision_tasks import (casting_task, gpt_losses_task, modify_gathered_task, overflow_at_minimum_task,
+                             overflow_task, reference_mixed, train_mixed)
 from zerodp.core.precision import LossScaleAtMinimumError, LossScaler
 
 STEPS = 4
@@ -210,6 +210,24 @@ def test_overflow_at_minimum_scale_raises_on_every_rank(pool):
         assert res["error"] is not None and "LossScaleAtMinimumError" in res["error"]
         assert "min_loss_scale" in res["error"] and "bf16" in res["error"]
         assert [r["scale"] for r in res["rows"]] == [8, 4]  # 16 -> 8 -> 4, then the error
+
+
+@pytest.mark.parametrize("stage, gas", [(0, 1), (2, 1), (2, 2), (3, 1)])
+def test_overflow_at_minimum_scale_drops_the_step_and_training_goes_on(pool, stage, gas):
+    """The overflow at the minimum scale raises on every rank, with the step skipped and its
+    gradients dropped: the next clean step trains, with no zero_grad() from the caller."""
+    for rows in pool.run(overflow_at_minimum_task, 2, stage, gas):
+        assert rows[0]["error"] is None and rows[0]["changed"]
+        error = rows[1]["error"]
+        assert error is not None and "min_loss_scale" in error, rows[1]
+        assert "skipped" in error and "dropped" in error
+        assert not rows[1]["changed"] and rows[1]["skipped"] == 1 and not rows[1]["norm_finite"]
+        for i in (2, 3):
+            assert rows[i]["error"] is None, rows[i]["error"]
+            assert rows[i]["changed"] and rows[i]["norm_finite"] and rows[i]["skipped"] == 1
+        assert [r["global_steps"] for r in rows] == [1, 2, 3, 4]
+        assert [r["micro_steps"] for r in rows] == [gas, 2 * gas, 3 * gas, 4 * gas]
+        assert {r["scale"] for r in rows} == {16}
 
 
 def test_global_norm_is_accurate_for_large_flat_groups():

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from ._version import __version__ as __version__
 from . import _moved, accelerator, checkpointing, comm, ops, unsupported, utils, zero  # noqa: F401 (DeepSpeed's modules)
+from .core import teardown
 from .checkpoint import CheckpointError
 from .comm import init_distributed
 from .config import PRESETS, Config, ConfigError, load_config, resolve_batch_sizes
@@ -87,6 +88,13 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     ``train_micro_batch_size_per_gpu`` samples per rank (``zerodp.data.DataLoader``: a shuffled
     order split over the ranks, reshuffled every epoch, whose position checkpoints keep).
 
+    The batch size comes from the config, as in DeepSpeed: ``train_batch_size`` or
+    ``train_micro_batch_size_per_gpu`` must be an integer (``"auto"`` is a placeholder for a
+    launcher to fill in), else :class:`ConfigError`. The one other source is ``training_data``
+    given as a ``torch.utils.data.DataLoader`` with a ``batch_size``: it is returned as it is
+    (its own sampler splits the data, or not, over the ranks), its ``batch_size`` is the
+    micro-batch size when the config gives neither key, and must equal the config's otherwise.
+
     * ``config``: a dict, a path to a JSON file, or a ``zerodp.Config`` (``config_params`` is
       DeepSpeed's older name for it; ``args.deepspeed_config`` is read too).
     * ``optimizer``: an optimizer instance built on the model's parameters (zerodp re-points
@@ -118,16 +126,42 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     if config is None and preset is None:
         raise ConfigError("no config: pass config= (a dict or a JSON path) or preset=")
     cfg = load_config(config, preset=preset)
+    user_loader = isinstance(training_data, torch.utils.data.DataLoader)
+    if user_loader:
+        cfg = _micro_batch_from_loader(cfg, training_data, collate_fn)
     if dist_init_required is not False:  # from a launcher's environment; alone, no group is needed
         accelerator.init_distributed()
+    if user_loader and training_data.batch_size is not None:  # its batches are the engine's micro-batches
+        world = dist.get_world_size(process_group) if dist.is_initialized() else 1
+        micro = resolve_batch_sizes(cfg, world)[1]
+        if micro != training_data.batch_size:
+            raise ConfigError(
+                f"train_micro_batch_size_per_gpu: the config gives {micro} (world size {world}), but the "
+                f"DataLoader passed as training_data yields batches of {training_data.batch_size}; make "
+                "them agree, or leave train_batch_size and train_micro_batch_size_per_gpu out of the config")
+    teardown.install()
     engine = ZeroEngine(model, cfg, model_parameters=model_parameters, optimizer=optimizer,
                         lr_scheduler=lr_scheduler, process_group=process_group,
                         unit_classes=unit_classes, param_init_fn=param_init_fn)
     engine.monitor = monitor_from_config(cfg, engine)
     loader = None
-    if training_data is not None:
+    if user_loader:
+        loader = training_data
+    elif training_data is not None:
         loader = DataLoader(training_data, batch_size=engine.train_micro_batch_size_per_gpu(),
                             num_replicas=engine.dp_world_size, rank=engine.dp_rank,
                             collate_fn=collate_fn)
     engine.training_dataloader = loader
     return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _micro_batch_from_loader(cfg: Config, loader: torch.utils.data.DataLoader, collate_fn: Any) -> Config:
+    """``cfg`` with ``train_micro_batch_size_per_gpu`` taken from ``loader``'s batch size when the
+    config fixes no batch size (neither it nor ``train_batch_size`` is an integer)."""
+    if collate_fn is not None:
+        raise ValueError("collate_fn: training_data is a DataLoader, which collates with its own "
+                         "collate_fn; pass collate_fn to the DataLoader, or pass a Dataset")
+    given = [v for v in (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu) if v not in (None, "auto")]
+    if given or loader.batch_size is None:  # (a batch_sampler's loader has no batch size to offer)
+        return cfg
+    return cfg.model_copy(update={"train_micro_batch_size_per_gpu": loader.batch_size})

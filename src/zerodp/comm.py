@@ -16,6 +16,7 @@ import torch
 import torch.distributed as _dist
 from torch.distributed import ReduceOp
 
+from .core import teardown
 from .core.device import backend_for, default_device, init_distributed as _start_group, local_rank
 
 __all__ = ["ReduceOp", "init_distributed", "is_initialized", "is_available", "get_rank", "get_world_size",
@@ -35,7 +36,8 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
     process is a group of one (``MASTER_ADDR`` 127.0.0.1 and a free port, unless ``MASTER_ADDR`` /
     ``MASTER_PORT`` are set; ``distributed_port`` is accepted for DeepSpeed's signature).
     The backend is NCCL on CUDA and gloo on CPU unless ``dist_backend`` says otherwise.
-    ``auto_mpi_discovery`` is accepted; zerodp does not read MPI's environment.
+    ``auto_mpi_discovery`` is accepted; zerodp does not read MPI's environment. A group started
+    here is destroyed at interpreter exit (``zerodp.core.teardown``).
     """
     if dist_init_required is False or (_dist.is_available() and _dist.is_initialized()):
         return
@@ -43,6 +45,7 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
         backend = dist_backend or backend_for(default_device())
         _dist.init_process_group(backend=backend, init_method=init_method or "env://",
                                  rank=rank, world_size=world_size, timeout=timeout)
+        teardown.group_started()  # destroyed at interpreter exit (core/teardown.py)
         return
     if "WORLD_SIZE" not in os.environ:  # not launched: a group of one
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -313,9 +313,12 @@ class Config(_Section):
     """A whole zerodp config (DeepSpeed key names and defaults)."""
 
     train_batch_size: _BatchValue = Field(
-        None, description='Global batch per optimizer step (integer, "auto" or null).')
+        None, description='Global batch per optimizer step (integer, "auto" or null). This or '
+                          'train_micro_batch_size_per_gpu must be an integer by the time the engine is '
+                          'built (as in DeepSpeed); "auto" is for a launcher to fill in.')
     train_micro_batch_size_per_gpu: _BatchValue = Field(
-        None, description='Batch per rank per forward/backward (integer, "auto" or null).')
+        None, description='Batch per rank per forward/backward (integer, "auto" or null); '
+                          'initialize fills it from a DataLoader passed as training_data.')
     gradient_accumulation_steps: _BatchValue = Field(
         None, description='Micro-batches accumulated per optimizer step (integer, "auto" or null).')
     gradient_clipping: float = Field(0.0, ge=0.0, allow_inf_nan=False,
@@ -509,7 +512,13 @@ def resolve_batch_sizes(cfg: Config, world_size: int) -> tuple[int, int, int]:
     """Resolve ``(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps)``.
 
     Follows DeepSpeed's rule ``train_batch_size = micro * gas * world_size``; ``"auto"`` and
-    null count as not given, and missing values are derived (micro and gas default to 1).
+    null count as not given, and missing values are derived (gas defaults to 1). As in
+    DeepSpeed, ``train_batch_size`` or ``train_micro_batch_size_per_gpu`` must be given: with
+    neither (nothing, ``"auto"``, or only ``gradient_accumulation_steps``) the batch size is
+    unknown and :class:`ConfigError` names both keys. ``"auto"`` is a placeholder for whoever
+    launches the job to fill in (the Hugging Face Trainer, ``zerodp train``); ``zerodp.initialize``
+    fills ``train_micro_batch_size_per_gpu`` from a ``torch.utils.data.DataLoader`` passed as
+    ``training_data``.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size: got {world_size!r}; allowed: an integer >= 1")
@@ -539,10 +548,28 @@ def resolve_batch_sizes(cfg: Config, world_size: int) -> tuple[int, int, int]:
     elif tbs is not None:
         gas = 1
         micro = divide([("world_size", ws)])
-    else:
-        micro, gas = micro or 1, gas or 1
+    elif micro is not None:
+        gas = gas or 1
         tbs = micro * gas * ws
+    else:
+        raise _no_batch_size(cfg)
     return tbs, micro, gas
+
+
+def _no_batch_size(cfg: Config) -> ConfigError:
+    """DeepSpeed's refusal of a config that fixes no batch size, naming what it holds."""
+    given = [f"{name} {_fmt(value)}" for name in _BATCH_KEYS if (value := getattr(cfg, name)) is not None]
+    got = ", ".join(given) if given else "none of " + ", ".join(_BATCH_KEYS)
+    return ConfigError(
+        f"train_batch_size, train_micro_batch_size_per_gpu: got {got}; allowed: an integer >= 1 for "
+        "train_batch_size or train_micro_batch_size_per_gpu (as in DeepSpeed: \"Either train_batch_size or "
+        "train_micro_batch_size_per_gpu needs to be provided\"), e.g. \"train_micro_batch_size_per_gpu\": 8. "
+        "\"auto\" is a placeholder for the launcher to fill in (the Hugging Face Trainer and zerodp train "
+        "do); zerodp.initialize fills train_micro_batch_size_per_gpu from a torch DataLoader passed as "
+        "training_data")
+
+
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
 def _nested_model(annotation: Any) -> type[BaseModel] | None:

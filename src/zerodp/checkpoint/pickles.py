@@ -4,7 +4,8 @@ A DeepSpeed checkpoint is a set of pickles. They are read only with ``torch.load
 mmap=True)`` and, for the few DeepSpeed types they hold, inert stand-in classes registered under
 DeepSpeed's names (:data:`ALLOWED_GLOBALS`): building one sets attributes and runs no method. Before
 anything is unpickled, the pickle is disassembled and a file that names any other global is
-refused, naming it.
+refused, naming it. Only the zip format of ``torch.save`` is read; a file in the legacy format
+(``_use_new_zipfile_serialization=False``) is refused, saying so.
 """
 from __future__ import annotations
 
@@ -67,6 +68,36 @@ def _pickle_globals(path: Path) -> set[str]:
     return found
 
 
+#: The number the legacy ``torch.save`` format (before PyTorch 1.6, and with
+#: ``_use_new_zipfile_serialization=False`` since) pickles first (``torch.serialization.MAGIC_NUMBER``).
+_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+
+
+def is_legacy_torch_save(path: Path) -> bool:
+    """Whether ``path`` is a ``torch.save`` file in the legacy (non-zip) format: not a zip, and
+    its first pickle holds only torch's magic number (read by disassembly; nothing runs)."""
+    try:
+        if zipfile.is_zipfile(path):
+            return False
+        with open(path, "rb") as f:
+            head = f.read(64)
+        ops = [(op.name, arg) for op, arg, _ in pickletools.genops(head)]
+    except Exception:  # noqa: BLE001 - unreadable or not a pickle: not that format
+        return False
+    return [name for name, _ in ops] == ["PROTO", "LONG1", "STOP"] and ops[1][1] == _LEGACY_MAGIC
+
+
+def _legacy_refusal(path: Path) -> CheckpointError:
+    return CheckpointError(
+        f"{path} is a torch.save file in the legacy format (not a zip archive: written by PyTorch "
+        "before 1.6, or with torch.save(..., _use_new_zipfile_serialization=False)); it is not loaded. "
+        "zerodp reads only the zip format, which every DeepSpeed checkpoint uses: it checks the "
+        "globals a pickle names before anything is unpickled and maps the tensors from the file, "
+        "and neither can be done for the legacy format. To use the file, re-save it in the zip "
+        "format with a torch whose weights-only loader reads it: "
+        "torch.save(torch.load(path, weights_only=True), path)")
+
+
 def load_pickle(path: Path) -> Any:
     """``torch.load`` of a DeepSpeed file with ``weights_only=True`` and ``mmap=True``, after
     checking that it names no global beyond torch's tensor types and :data:`ALLOWED_GLOBALS`.
@@ -79,6 +110,8 @@ def load_pickle(path: Path) -> Any:
         names = _pickle_globals(path)
         torch_unsafe = set(torch.serialization.get_unsafe_globals_in_checkpoint(str(path)))
     except Exception as exc:
+        if is_legacy_torch_save(path):
+            raise _legacy_refusal(path) from None
         raise CheckpointError(f"{path} cannot be read ({type(exc).__name__}: {exc}): the file is truncated "
                               "or is not a torch.save file") from None
     # globals some other code registered process-wide are no exception here

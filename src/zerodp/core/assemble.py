@@ -14,7 +14,8 @@ from .collectives import Comm
 from ..config import Config, ConfigError
 from .gather import external_users
 from .flat import FlatGroup
-from ..optim import build_scheduler, check_elementwise, optimizer_factory_from_config
+from ..optim import build_scheduler, check_elementwise
+from ..optim.build import optimizer_from_config
 
 
 def as_tensor_list(params) -> list:
@@ -145,42 +146,7 @@ def build_optimizer(config: Config, groups: list[dict], pieces_by_group: list[li
     if cfg is None:
         raise ConfigError("optimizer: no optimizer; add an 'optimizer' block to the config "
                           "(e.g. {\"type\": \"AdamW\", \"params\": {\"lr\": 3e-4}}) or pass optimizer=")
-    try:
-        cls, kwargs = optimizer_factory_from_config(cfg.type, dict(cfg.params))
-    except ValueError as e:
-        raise ConfigError(f"optimizer: {e}") from None
-    check_elementwise(cls)
-    try:
-        if cls in FUSED_OPTIMIZERS and "fused" not in kwargs and "foreach" not in kwargs:
-            try:  # one kernel over all pieces: ~6x torch's default CPU step (benchmarks/offload.py)
-                return cls(new_groups, **kwargs, fused=True)
-            except RuntimeError:  # a device or dtype without a fused kernel
-                pass
-        return cls(new_groups, **kwargs)
-    except (ValueError, TypeError) as e:
-        raise ConfigError(f"{_optimizer_key(str(e), kwargs)}: {cfg.type} rejects it: {e}") from None
-
-
-#: Optimizers built from the config with ``fused=True`` (torch's fused kernels, on CPU and CUDA;
-#: its fused SGD fails without momentum): the step reads and writes each state once, at about
-#: the memory's bandwidth.
-FUSED_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW)
-
-
-#: Words in torch optimizers' error messages -> the config key they are about.
-_PARAM_WORDS = (("learning rate", "lr"), ("epsilon", "eps"), ("beta", "betas"), ("weight_decay", "weight_decay"),
-                ("weight decay", "weight_decay"), ("momentum", "momentum"), ("dampening", "dampening"),
-                ("alpha", "alpha"), ("lr_decay", "lr_decay"), ("rho", "rho"))
-
-
-def _optimizer_key(message: str, kwargs: dict) -> str:
-    """The ``optimizer.params`` key an optimizer's error is about, as a config path."""
-    low = message.lower()
-    for words, key in _PARAM_WORDS:
-        if words in low:
-            return f"optimizer.params.{key}"
-    unexpected = [k for k in kwargs if f"'{k}'" in message]
-    return f"optimizer.params.{unexpected[0]}" if unexpected else "optimizer.params"
+    return optimizer_from_config(cfg.type, cfg.params, new_groups)  # ConfigError naming the key
 
 
 def build_lr_scheduler(config: Config, optimizer: torch.optim.Optimizer, lr_scheduler):

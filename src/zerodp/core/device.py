@@ -12,6 +12,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from . import teardown
+
 logger = logging.getLogger("zerodp")
 
 
@@ -36,7 +38,8 @@ def init_distributed(backend: str | None = None) -> bool:
     """Start the default process group from torchrun's environment if not started yet.
 
     Returns True when a process group is available after the call; False when the
-    process runs alone (no ``WORLD_SIZE`` in the environment and no group).
+    process runs alone (no ``WORLD_SIZE`` in the environment and no group). A group started
+    here is destroyed at interpreter exit (``teardown.py``); one started before is left alone.
     """
     if dist.is_available() and dist.is_initialized():
         return True
@@ -55,6 +58,7 @@ def init_distributed(backend: str | None = None) -> bool:
                        "process group cannot connect (gloo 'Connection refused'), launch torchrun with "
                        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment (zerodp train does)")
     dist.init_process_group(backend=backend or backend_for(device))
+    teardown.group_started()  # destroyed at interpreter exit (teardown.py)
     return True
 
 

@@ -400,6 +400,8 @@ class ZeroEngine(EngineAPI, nn.Module):
                     f"{k} {1e3 * sum(v) / len(v):.1f}" for k, v in self._timings.items()))
         if self.global_steps % self.config.steps_per_print == 0:
             self._timings.clear()
+        if self.loss_scaler is not None:  # an overflow at the minimum scale, raised once its step is skipped
+            self.loss_scaler.raise_deferred()
 
     def _apply_update(self) -> None:
         if self._checkpointer is not None:  # an asynchronous save may still be copying the states
@@ -414,7 +416,7 @@ class ZeroEngine(EngineAPI, nn.Module):
         self._global_grad_norm = norm
         if self.loss_scaler is not None:
             overflow = not math.isfinite(norm)
-            self.loss_scaler.update(overflow)  # raises at the minimum scale
+            self.loss_scaler.update(overflow, defer=True)  # at the minimum scale: raised by update_parameters
             if overflow:  # every rank saw the same norm: all skip this step together
                 self._skipped_steps += 1
                 self._step_applied = False

@@ -115,7 +115,11 @@ class LossScaler:
     DeepSpeed 0.19 applies the same rules but doubles one step later (after window + 1 clean
     steps). An overflow at
     the minimum scale raises :class:`LossScaleAtMinimumError`: something other than the scale
-    is wrong, and skipping steps forever would hide it.
+    is wrong, and skipping steps forever would hide it. The engine asks for that error to be
+    held back (``update(overflow, defer=True)``) and raises it with :meth:`raise_deferred` once
+    it has skipped the step like any other overflow: gradients dropped, the step counted as
+    skipped. So the error reports the bad batch and leaves nothing behind: the next clean step
+    trains, with no ``zero_grad()`` needed.
     """
 
     def __init__(self, *, static_scale: float = 0.0, initial_scale_power: int = 16,
@@ -128,6 +132,7 @@ class LossScaler:
         self.hysteresis_left = hysteresis
         self.good_steps = 0
         self.overflows = 0
+        self._deferred: Optional[LossScaleAtMinimumError] = None
 
     @classmethod
     def from_config(cls, fp16) -> "LossScaler":
@@ -135,8 +140,12 @@ class LossScaler:
                    window=fp16.loss_scale_window, hysteresis=fp16.hysteresis,
                    min_scale=fp16.min_loss_scale, consecutive_hysteresis=fp16.consecutive_hysteresis)
 
-    def update(self, overflow: bool) -> None:
-        """Account one step; ``overflow``: its gradients held inf or NaN on some rank."""
+    def update(self, overflow: bool, defer: bool = False) -> None:
+        """Account one step; ``overflow``: its gradients held inf or NaN on some rank.
+
+        An overflow at the minimum scale raises :class:`LossScaleAtMinimumError`; with
+        ``defer``, the caller promises to skip the step and drop its gradients, and the error,
+        saying so, is kept for :meth:`raise_deferred` instead."""
         if overflow:
             self.overflows += 1
             self.good_steps = 0
@@ -146,11 +155,17 @@ class LossScaler:
                 self.hysteresis_left -= 1
                 return
             if self.scale <= self.min_scale:
-                raise LossScaleAtMinimumError(
+                done = (" This step was skipped and its gradients dropped, so training can go on "
+                        "with the next batch." if defer else "")
+                error = LossScaleAtMinimumError(
                     f"fp16 gradients overflowed (inf or NaN) at the minimum loss scale "
-                    f"{self.min_scale:g} (fp16.min_loss_scale): lowering the scale cannot help. "
+                    f"{self.min_scale:g} (fp16.min_loss_scale): lowering the scale cannot help.{done} "
                     "Look for inf/NaN in the inputs or the loss, lower the learning rate, or use "
                     "bf16, whose range does not need loss scaling.")
+                if not defer:
+                    raise error
+                self._deferred = error
+                return
             self.scale = max(self.scale / 2, self.min_scale)
             return
         self.good_steps += 1
@@ -161,6 +176,12 @@ class LossScaler:
         if self.good_steps % self.window == 0:
             self.scale *= 2
             self.hysteresis_left = self.hysteresis
+
+    def raise_deferred(self) -> None:
+        """Raise the error ``update(..., defer=True)`` kept, if any (once)."""
+        error, self._deferred = self._deferred, None
+        if error is not None:
+            raise error
 
     def state_dict(self) -> dict:
         return {"scale": self.scale, "hysteresis_left": self.hysteresis_left,

@@ -11,13 +11,20 @@ over whole tensors do not, and are refused here.
 
 from __future__ import annotations
 
+import inspect
+import json
 import re
+import types
+import typing
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-__all__ = ["optimizer_factory_from_config", "check_elementwise", "SUPPORTED_OPTIMIZERS"]
+from ..config import ConfigError
+
+__all__ = ["optimizer_factory_from_config", "optimizer_from_config", "check_optimizer_params",
+           "check_elementwise", "SUPPORTED_OPTIMIZERS", "FUSED_OPTIMIZERS"]
 
 
 # Lower-cased DeepSpeed type name -> torch optimizer class.  "adam" is
@@ -108,22 +115,25 @@ def optimizer_factory_from_config(
     * ``max_grad_norm`` is rejected; use the top-level ``gradient_clipping``.
 
     Raises:
-        ValueError: for unknown types, for optimizers whose update is not
-            elementwise (LAMB, Shampoo, LBFGS, Adafactor, Muon, ...), and for
-            parameters torch cannot honour.
+        ConfigError (a ValueError) naming the key (``optimizer.type`` or
+            ``optimizer.params.<name>``): for unknown types, for optimizers whose
+            update is not elementwise (LAMB, Shampoo, LBFGS, Adafactor, Muon,
+            ...), and for the DeepSpeed parameters torch cannot honour. The
+            values themselves are checked by :func:`optimizer_from_config`.
     """
     if not isinstance(type_name, str) or not type_name:
-        raise ValueError(f"optimizer type must be a non-empty string, got {type_name!r}")
+        raise ConfigError(f"optimizer.type: got {_fmt(type_name)}; allowed: a non-empty string")
     key = type_name.strip().lower().replace("-", "").replace("_", "")
     kwargs: dict[str, Any] = dict(params or {})
 
     if key in _NON_ELEMENTWISE_TYPES:
-        raise ValueError(_non_elementwise_message(f"Optimizer type {type_name!r} ({_NON_ELEMENTWISE_TYPES[key]})"))
+        raise ConfigError(f"optimizer.type: got {_fmt(type_name)}; " + _non_elementwise_message(
+            f"Optimizer type {type_name!r} ({_NON_ELEMENTWISE_TYPES[key]})"))
 
     if "max_grad_norm" in kwargs:
-        raise ValueError(
-            "'max_grad_norm' is not supported as an optimizer parameter; use the top-level "
-            "'gradient_clipping' config key instead"
+        raise ConfigError(
+            f"optimizer.params.max_grad_norm: got {_fmt(kwargs['max_grad_norm'])}; 'max_grad_norm' is "
+            "not supported as an optimizer parameter; use the top-level 'gradient_clipping' config key instead"
         )
 
     if key in ("adam", "adamw"):
@@ -133,18 +143,19 @@ def optimizer_factory_from_config(
             torch.optim.AdamW if (key == "adamw" or adam_w_mode) else torch.optim.Adam
         )
         if "bias_correction" in kwargs:
-            if not kwargs.pop("bias_correction"):
-                raise ValueError(
-                    "bias_correction=False is not supported: torch's Adam/AdamW always apply "
-                    "bias correction"
+            value = kwargs.pop("bias_correction")
+            if value is not True:
+                raise ConfigError(
+                    f"optimizer.params.bias_correction: got {_fmt(value)}; allowed: true (torch's "
+                    "Adam/AdamW always apply bias correction; bias_correction=False is not supported)"
                 )
         if not torch_adam:
             kwargs.setdefault("weight_decay", _DEEPSPEED_ADAM_WEIGHT_DECAY)
     elif key in _TORCH_OPTIMIZERS:
         cls = _TORCH_OPTIMIZERS[key]
     else:
-        raise ValueError(
-            f"Unknown optimizer type {type_name!r}; supported types are: "
+        raise ConfigError(
+            f"optimizer.type: got {_fmt(type_name)}; Unknown optimizer type {type_name!r}; supported types are: "
             f"{', '.join(SUPPORTED_OPTIMIZERS)} (case-insensitive)"
         )
 
@@ -153,6 +164,213 @@ def optimizer_factory_from_config(
     if isinstance(kwargs.get("betas"), list):
         kwargs["betas"] = tuple(kwargs["betas"])
     return cls, kwargs
+
+
+# ---------------------------------------------------------------------------
+# Building the config's optimizer: every mistake named by its config key
+# ---------------------------------------------------------------------------
+
+#: Optimizers built from the config with ``fused=True`` (torch's fused kernels, on CPU and CUDA;
+#: its fused SGD fails without momentum): the step reads and writes each state once, at about
+#: the memory's bandwidth.
+FUSED_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW)
+
+#: Words in torch optimizers' error messages -> the parameter they are about (used only when
+#: trying the parameters one at a time cannot tell which value is at fault).
+_PARAM_WORDS = (("learning rate", "lr"), ("epsilon", "eps"), ("beta", "betas"), ("weight decay", "weight_decay"),
+                ("momentum", "momentum"), ("dampening", "dampening"), ("alpha", "alpha"), ("rho", "rho"))
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _accepts(annotation: Any, value: Any) -> bool:
+    """Whether ``value`` fits a constructor parameter's type annotation (the forms torch's
+    optimizers use: float, int, bool, Tensor, None, unions, fixed-length tuples). Forms it does
+    not know accept anything: the constructor itself judges those."""
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is float:
+        return _is_number(value)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is torch.Tensor:
+        return isinstance(value, torch.Tensor)
+    if annotation is None or annotation is type(None):
+        return value is None
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_accepts(a, value) for a in args)
+    if origin is tuple and args:
+        if len(args) == 2 and args[1] is Ellipsis:
+            return isinstance(value, (list, tuple)) and all(_accepts(args[0], v) for v in value)
+        return (isinstance(value, (list, tuple)) and len(value) == len(args)
+                and all(_accepts(a, v) for a, v in zip(args, value)))
+    return True
+
+
+def _describe(annotation: Any) -> str:
+    """``annotation`` in a config's terms (JSON values; tensors are left out)."""
+    if annotation is bool:
+        return "true or false"
+    if annotation in (float, int):
+        return "a number" if annotation is float else "an integer"
+    if annotation is None or annotation is type(None):
+        return "null"
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        parts = [_describe(a) for a in args if a is not torch.Tensor]
+        return " or ".join(dict.fromkeys(p for p in parts if p))
+    if origin is tuple and args:
+        if len(args) == 2 and args[1] is Ellipsis:
+            return f"a list of {_describe(args[0]).removeprefix('a ').removeprefix('an ')}s"
+        kinds = {_describe(a) for a in args}
+        if kinds == {"a number"}:
+            return f"a list of {len(args)} numbers"
+        return f"a list of {len(args)} values"
+    return ""
+
+
+def _annotation_from_default(default: Any) -> Any:
+    """A stand-in annotation for a parameter that has none, from its default value."""
+    if isinstance(default, bool):
+        return bool
+    if _is_number(default):
+        return float
+    if isinstance(default, tuple) and default and all(_is_number(d) for d in default):
+        return tuple[(float,) * len(default)]
+    return inspect.Parameter.empty
+
+
+def _constructor_params(cls: type) -> tuple[dict[str, tuple[Any, Any]], bool]:
+    """``({name: (annotation, default)}, takes_any_keyword)`` of ``cls(params, ...)``."""
+    try:
+        sig = inspect.signature(cls.__init__)
+    except (TypeError, ValueError):
+        return {}, True
+    try:
+        hints = typing.get_type_hints(cls.__init__)
+    except Exception:  # noqa: BLE001 - unresolvable string annotations: fall back to the defaults
+        hints = {}
+    out, any_keyword = {}, False
+    for i, (name, p) in enumerate(sig.parameters.items()):
+        if p.kind is p.VAR_KEYWORD:
+            any_keyword = True
+            continue
+        if i < 2 or p.kind in (p.VAR_POSITIONAL, p.POSITIONAL_ONLY):  # self, params
+            continue
+        annotation = hints.get(name, p.annotation)
+        if annotation is inspect.Parameter.empty or isinstance(annotation, str):
+            annotation = _annotation_from_default(p.default)
+        out[name] = (annotation, p.default)
+    return out, any_keyword
+
+
+def _key(name: str) -> str:
+    return f"optimizer.params.{name}"
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, tuple):
+        value = list(value)
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def check_optimizer_params(cls: type, kwargs: dict[str, Any], type_name: str) -> None:
+    """Check each of ``kwargs`` (from the config's ``optimizer.params``) against ``cls``'s
+    constructor: the name must be one of its parameters, and the value must have the type and
+    shape its annotation (or, without one, its default) says (a number, true or false, a list
+    of two numbers for ``betas``, ...). Raises :class:`ConfigError` naming the key, the value
+    and what is allowed."""
+    accepted, any_keyword = _constructor_params(cls)
+    for name, value in kwargs.items():
+        if name not in accepted:
+            if any_keyword:
+                continue
+            raise ConfigError(f"{_key(name)}: got {_fmt(value)}; allowed: only {type_name}'s parameters "
+                              f"({', '.join(accepted)})")
+        annotation, default = accepted[name]
+        if annotation is inspect.Parameter.empty or _accepts(annotation, value):
+            continue
+        text = _describe(annotation) or "a value of the parameter's type"
+        shown = f", default {_fmt(default)}" if default is not inspect.Parameter.empty else ""
+        raise ConfigError(f"{_key(name)}: got {_fmt(value)}; allowed: {text} ({type_name}'s {name}{shown})")
+
+
+def _constructs(cls: type, kwargs: dict[str, Any]) -> bool:
+    try:
+        cls([torch.nn.Parameter(torch.zeros(1))], **kwargs)
+    except Exception:  # noqa: BLE001 - any failure counts
+        return False
+    return True
+
+
+def _blame(cls: type, kwargs: dict[str, Any], message: str) -> str | None:
+    """The parameter whose value made ``cls(..., **kwargs)`` fail with ``message``: the one whose
+    removal (its default taking its place) lets the constructor succeed on a stand-in
+    parameter; failing that, the one the message names or describes."""
+    for name in kwargs:
+        if _constructs(cls, {k: v for k, v in kwargs.items() if k != name}):
+            return name
+    for name in sorted(kwargs, key=len, reverse=True):
+        if re.search(rf"\b{re.escape(name)}\b", message):
+            return name
+    low = message.lower()
+    for words, name in _PARAM_WORDS:
+        if words in low and name in kwargs:
+            return name
+    return None
+
+
+def _rejected(cls: type, kwargs: dict[str, Any], type_name: str, exc: BaseException) -> ConfigError:
+    detail = f"{type(exc).__name__}: {exc}" if not isinstance(exc, (ValueError, TypeError)) else str(exc)
+    name = _blame(cls, kwargs, str(exc))
+    if name is None:
+        return ConfigError(f"optimizer.params: got {_fmt(kwargs)}; {type_name} rejects it: {detail}")
+    return ConfigError(f"{_key(name)}: got {_fmt(kwargs[name])}; {type_name} rejects it: {detail}")
+
+
+def optimizer_from_config(type_name: str, params: dict[str, Any] | None,
+                          param_groups: list | None = None) -> torch.optim.Optimizer:
+    """Build the config's optimizer (``{"type": type_name, "params": params}``) on
+    ``param_groups`` (default: one stand-in parameter, to check the block before anything
+    else runs).
+
+    Every problem with the block raises :class:`ConfigError` naming the key at fault
+    (``optimizer.type`` or ``optimizer.params.<name>``) and its value: an unknown or refused
+    type; a parameter the optimizer does not take; a value of the wrong type or shape
+    (:func:`check_optimizer_params`); and anything the constructor itself raises, traced back
+    to the parameter whose value it is about by building the optimizer on a stand-in
+    parameter with that value replaced by its default. Adam and AdamW are built with
+    ``fused=True`` where torch has the kernel (unless the block says ``foreach``).
+    """
+    try:
+        cls, kwargs = optimizer_factory_from_config(type_name, dict(params or {}))
+        check_elementwise(cls)
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(f"optimizer: {e}") from None
+    check_optimizer_params(cls, kwargs, type_name)
+    probe = [torch.nn.Parameter(torch.zeros(1))]
+    try:
+        cls(probe, **kwargs)
+    except Exception as e:  # noqa: BLE001 - whatever the class makes of the values
+        raise _rejected(cls, kwargs, type_name, e) from None
+    groups = param_groups if param_groups is not None else probe
+    try:
+        if cls in FUSED_OPTIMIZERS and "fused" not in kwargs and "foreach" not in kwargs:
+            try:  # one kernel over all pieces: ~6x torch's default CPU step (benchmarks/offload.py)
+                return cls(groups, **kwargs, fused=True)
+            except RuntimeError:  # a device or dtype without a fused kernel
+                pass
+        return cls(groups, **kwargs)
+    except (ValueError, TypeError) as e:  # the values passed on a stand-in: a param group's own
+        raise ConfigError(f"optimizer: {type_name} rejects the parameter groups: {e}") from None
 
 
 # ---------------------------------------------------------------------------
