@@ -1,25 +1,14 @@
-"""DeepSpeed-compatible configuration schema for zerodp.
-
-:func:`load_config` validates a DeepSpeed-style JSON config into a :class:`Config`. Problems raise
-:class:`ConfigError` naming the key path, the bad value and what is allowed. Unknown keys are ignored
-with one ``UserWarning`` each; keys that would change results if ignored (Apex AMP, offload,
-gradient pre-scaling, ...) are rejected.
-"""
+"""The configuration schema: one pydantic model per DeepSpeed config block, and
+:func:`describe_fields`, the documented keys with their defaults."""
 from __future__ import annotations
 
-import copy
 import json
-import math
 import warnings
-from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Union, get_args
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-__all__ = [
-    "PRESETS", "ConfigError", "ZeroConfig", "OptimizerConfig", "SchedulerConfig", "Config",
-    "load_config", "get_preset", "resolve_batch_sizes", "describe_fields",
-]
+__all__ = ["ConfigError", "ZeroConfig", "OptimizerConfig", "SchedulerConfig", "Config", "describe_fields"]
 
 
 class ConfigError(ValueError):
@@ -149,23 +138,44 @@ class ZeroConfig(_Section):
 
     stage: _Stage = Field(0, description="ZeRO stage: 0 = plain data parallel, 1 = shard optimizer states, "
                                          "2 = also shard gradients, 3 = also shard parameters.")
-    reduce_bucket_size: _Positive = Field(500_000_000, description="Elements per gradient reduce bucket. Parameters are laid out in flat groups of at most this many elements (a larger parameter gets a group of its own); a group is reduced as soon as all its gradients are ready.")
-    allgather_bucket_size: _Positive = Field(500_000_000, description="Elements per parameter all-gather bucket. zerodp gathers updated shards per flat group, and flat groups are at most reduce_bucket_size elements, so this is accepted for compatibility.")
+    reduce_bucket_size: _Positive = Field(
+        500_000_000, description="Elements per gradient reduce bucket. Parameters are laid out in flat groups of at "
+                                 "most this many elements (a larger parameter gets a group of its own); a group is "
+                                 "reduced as soon as all its gradients are ready.")
+    allgather_bucket_size: _Positive = Field(
+        500_000_000, description="Elements per parameter all-gather bucket. zerodp gathers updated shards per flat "
+                                 "group, and flat groups are at most reduce_bucket_size elements, so this is accepted "
+                                 "for compatibility.")
     overlap_comm: bool | None = Field(None, description="Overlap gradient communication with backward; "
                                                         "null means false for stages 0-2 and true for stage 3.")
-    contiguous_gradients: bool = Field(True, description="Accepted for compatibility: zerodp always collects gradients into contiguous flat buffers as they are produced.")
-    reduce_scatter: bool = Field(True, description="Stages 1-2: reduce gradients by reduce-scatter (true) or by all-reduce, each rank then keeping its shard (false; same numbers, twice the gradient traffic).")
-    allgather_partitions: bool = Field(True, description="Accepted for compatibility: zerodp picks the all-gather form that is fastest on the backend (per-owner broadcasts on gloo, all_gather_single on NCCL).")
+    contiguous_gradients: bool = Field(True, description="Accepted for compatibility: zerodp always collects gradients "
+                                                         "into contiguous flat buffers as they are produced.")
+    reduce_scatter: bool = Field(True, description="Stages 1-2: reduce gradients by reduce-scatter (true) or by "
+                                                   "all-reduce, each rank then keeping its shard (false; same numbers, "
+                                                   "twice the gradient traffic).")
+    allgather_partitions: bool = Field(
+        True, description="Accepted for compatibility: zerodp picks the all-gather form that is fastest on the "
+                          "backend (per-owner broadcasts on gloo, all_gather_single on NCCL).")
     stage3_prefetch_bucket_size: _NonNegative = Field(
-        50_000_000, description="Stage 3: while a unit computes, all-gather the units expected next (recorded forward order; reverse in backward) while the units gathered ahead of it hold at most this many elements (the next unit is always allowed); 0 disables prefetching.")
+        50_000_000, description="Stage 3: while a unit computes, all-gather the units expected next (recorded forward "
+                                "order; reverse in backward) while the units gathered ahead of it hold at most this "
+                                "many elements (the next unit is always allowed); 0 disables prefetching.")
     stage3_param_persistence_threshold: _NonNegative = Field(
-        100_000, description="Stage 3: a module becomes a unit (gathered before its forward and backward, released after) when its parameters not claimed by a unit below it number at least this many elements; smaller modules' parameters go with the enclosing unit, and the root unit stays gathered from forward to the end of backward.")
+        100_000, description="Stage 3: a module becomes a unit (gathered before its forward and backward, released "
+                             "after) when its parameters not claimed by a unit below it number at least this many "
+                             "elements; smaller modules' parameters go with the enclosing unit, and the root unit "
+                             "stays gathered from forward to the end of backward.")
     stage3_max_live_parameters: _NonNegative = Field(
-        1_000_000_000, description="Stage 3: prefetching stops where it would bring the gathered parameter elements on a rank above this (units being computed are always gathered; 0: no prefetching).")
+        1_000_000_000, description="Stage 3: prefetching stops where it would bring the gathered parameter elements on "
+                                   "a rank above this (units being computed are always gathered; 0: no prefetching).")
     stage3_max_reuse_distance: _NonNegative = Field(
-        1_000_000_000, description="Stage 3: after its forward, a unit stays gathered when the recorded order uses it again (later in forward or in backward) before this many elements of other units are gathered, within stage3_max_live_parameters; 0 releases every unit after each use.")
+        1_000_000_000, description="Stage 3: after its forward, a unit stays gathered when the recorded order uses it "
+                                   "again (later in forward or in backward) before this many elements of other units "
+                                   "are gathered, within stage3_max_live_parameters; 0 releases every unit after each "
+                                   "use.")
     stage3_gather_16bit_weights_on_model_save: bool = Field(
-        False, description="Accepted for compatibility: save_16bit_model always gathers the full weights at stage 3 (DeepSpeed writes nothing there unless this is true).")
+        False, description="Accepted for compatibility: save_16bit_model always gathers the full weights at stage 3 "
+                           "(DeepSpeed writes nothing there unless this is true).")
     offload_optimizer: OffloadOptimizerConfig | None = Field(
         None, description="Optimizer offload (stages 1-3): see docs/offload.md.")
     offload_param: OffloadParamConfig | None = Field(
@@ -226,7 +236,8 @@ class BF16Config(_Section):
     """The ``bf16`` block: bfloat16 compute with fp32 master weights."""
 
     enabled: bool = Field(False, description="Run forward, backward and gradient communication in bfloat16; "
-                                            "each rank keeps fp32 master weights and fp32 optimizer states for its shard.")
+                                            "each rank keeps fp32 master weights and fp32 optimizer states for its "
+                                            "shard.")
 
 
 class FP16Config(_Section):
@@ -264,7 +275,8 @@ class AmpConfig(_Section):
     """The ``amp`` block; only ``enabled: false`` is supported."""
 
     warn_unknown_keys: ClassVar[bool] = False
-    enabled: Annotated[bool, _only(False, _NO_AMP)] = Field(False, description="Apex AMP; must be false (use bf16 or fp16).")
+    enabled: Annotated[bool, _only(False, _NO_AMP)] = Field(False, description="Apex AMP; must be false (use bf16 or "
+                                                                               "fp16).")
 
 
 class _MonitorBlock(_Section):
@@ -324,8 +336,10 @@ class Config(_Section):
     gradient_clipping: float = Field(0.0, ge=0.0, allow_inf_nan=False,
                                      description="Max global gradient L2 norm; 0 disables clipping.")
     steps_per_print: _Positive = Field(10, description="Log progress every this many optimizer steps.")
-    wall_clock_breakdown: bool = Field(False, description="Log the mean forward, backward and step times every steps_per_print steps (rank 0).")
-    seed: int | None = Field(None, description="Stored for compatibility; zerodp does not seed RNGs (every rank starts from rank 0's initial parameters, broadcast at initialize).")
+    wall_clock_breakdown: bool = Field(False, description="Log the mean forward, backward and step times every "
+                                                          "steps_per_print steps (rank 0).")
+    seed: int | None = Field(None, description="Stored for compatibility; zerodp does not seed RNGs (every rank starts "
+                                               "from rank 0's initial parameters, broadcast at initialize).")
     optimizer: OptimizerConfig | None = Field(
         None, description="Optimizer built by the engine; null if you pass your own.")
     scheduler: SchedulerConfig | None = Field(None, description="Learning-rate scheduler built by the engine.")
@@ -334,7 +348,8 @@ class Config(_Section):
     fp16: FP16Config = Field(default_factory=FP16Config, description="float16 mixed precision with loss scaling.")
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = Field(
         None, description="Dtype in which gradients are reduced across ranks; null means the dtype the "
-                          "gradients are kept in (the compute dtype unless data_types.grad_accum_dtype says otherwise).")
+                          "gradients are kept in (the compute dtype unless data_types.grad_accum_dtype says "
+                          "otherwise).")
     data_types: DataTypesConfig = Field(default_factory=DataTypesConfig, description="Gradient accumulation dtype.")
     amp: AmpConfig = Field(default_factory=AmpConfig, description="Apex AMP settings (must stay disabled).")
     gradient_predivide_factor: Annotated[float, _only(1.0, _NO_GRAD_OP)] = Field(
@@ -390,38 +405,6 @@ def _unknown_keys(model: BaseModel, prefix: str) -> list[str]:
     return paths
 
 
-def _preset(stage: int) -> dict:
-    return {
-        "train_micro_batch_size_per_gpu": "auto",
-        "gradient_clipping": 1.0,
-        "steps_per_print": 10,
-        "optimizer": {"type": "AdamW",
-                      "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
-        "zero_optimization": {"stage": stage, "overlap_comm": True, "contiguous_gradients": True,
-                              "reduce_bucket_size": 50_000_000, "allgather_bucket_size": 50_000_000},
-    }
-
-
-def _offload_preset(stage: int) -> dict:
-    """Stage 2 or 3 with the optimizer (and at stage 3 the parameters) in pinned host memory."""
-    cfg = _preset(stage)
-    cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    if stage == 3:
-        cfg["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
-    return cfg
-
-
-PRESETS: dict[str, dict] = {**{f"zero{stage}": _preset(stage) for stage in range(4)},
-                            "zero2_offload": _offload_preset(2), "zero3_offload": _offload_preset(3)}
-
-
-def get_preset(name: str) -> dict:
-    """A deep copy of ``PRESETS[name]``; raises :class:`ConfigError` for unknown names."""
-    if name not in PRESETS:
-        raise ConfigError(f"unknown preset {name!r}; available presets: {', '.join(PRESETS)}")
-    return copy.deepcopy(PRESETS[name])
-
-
 def _fmt(value: Any) -> str:
     try:
         return json.dumps(value)
@@ -429,147 +412,6 @@ def _fmt(value: Any) -> str:
         return repr(value)
 
 
-_OPS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
-_ALLOWED = {
-    "int_type": "an integer", "int_parsing": "an integer", "int_from_float": "a whole number",
-    "float_type": "a number", "float_parsing": "a number", "finite_number": "a finite number",
-    "bool_type": "true or false", "bool_parsing": "true or false", "string_type": "a string",
-    "dict_type": "a JSON object", "model_type": "a JSON object", "model_attributes_type": "a JSON object",
-}
-
-
-def _error_line(err: dict) -> str:
-    path = ".".join(str(part) for part in err["loc"])
-    kind, ctx = err["type"], err.get("ctx") or {}
-    if kind == "missing":
-        return f"{path}: missing required key"
-    if kind == "value_error" and "error" in ctx:
-        detail = str(ctx["error"])
-    elif kind == "literal_error":
-        detail = "allowed: " + ctx["expected"].replace(" or ", ", ")
-    elif kind in _OPS:
-        detail = f"allowed: a number {_OPS[kind]} {next(iter(ctx.values()))}"
-    else:
-        detail = f"allowed: {_ALLOWED[kind]}" if kind in _ALLOWED else err["msg"]
-    if not path:  # whole-config (model-level) problem: the input is the entire config
-        return f"config: {detail}"
-    return f"{path}: got {_fmt(err.get('input'))}; {detail}"
-
-
-def _deep_merge(base: dict, override: dict) -> dict:
-    out = copy.deepcopy(base)
-    for key, value in override.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _deep_merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise ConfigError(f"cannot read config file {str(path)!r}: {e.strerror or e}") from e
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"config file {str(path)!r} is not valid JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {str(path)!r} must hold a JSON object, got {type(data).__name__}")
-    return data
-
-
-def load_config(config: dict | str | Path | Config | None = None, preset: str | None = None) -> Config:
-    """Validate ``config`` (dict, JSON file path, :class:`Config` or None) into a :class:`Config`.
-
-    With ``preset``, ``PRESETS[preset]`` is the base and ``config`` is deep-merged over it.
-    Raises :class:`ConfigError` for unreadable files, unknown presets and schema errors.
-    """
-    if isinstance(config, Config) and preset is None:
-        return config
-    if config is None:
-        data: dict = {}
-    elif isinstance(config, Config):
-        data = config.model_dump(exclude_unset=True)
-    elif isinstance(config, (str, Path)):
-        data = _read_json(Path(config))
-    elif isinstance(config, dict):
-        data = config
-    else:
-        raise ConfigError(f"config: got {type(config).__name__}; allowed: a dict, a JSON file path, a Config, None")
-    if preset is not None:
-        data = _deep_merge(get_preset(preset), data)
-    try:
-        return Config.model_validate(data)
-    except ValidationError as e:
-        lines = [_error_line(err) for err in e.errors()]
-        message = lines[0] if len(lines) == 1 else f"{len(lines)} config errors:\n  " + "\n  ".join(lines)
-        raise ConfigError(message) from None
-
-
-def resolve_batch_sizes(cfg: Config, world_size: int) -> tuple[int, int, int]:
-    """Resolve ``(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps)``.
-
-    Follows DeepSpeed's rule ``train_batch_size = micro * gas * world_size``; ``"auto"`` and
-    null count as not given, and missing values are derived (gas defaults to 1). As in
-    DeepSpeed, ``train_batch_size`` or ``train_micro_batch_size_per_gpu`` must be given: with
-    neither (nothing, ``"auto"``, or only ``gradient_accumulation_steps``) the batch size is
-    unknown and :class:`ConfigError` names both keys. ``"auto"`` is a placeholder for whoever
-    launches the job to fill in (the Hugging Face Trainer, ``zerodp train``); ``zerodp.initialize``
-    fills ``train_micro_batch_size_per_gpu`` from a ``torch.utils.data.DataLoader`` passed as
-    ``training_data``.
-    """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ConfigError(f"world_size: got {world_size!r}; allowed: an integer >= 1")
-
-    tbs, micro, gas = (None if v == "auto" else v for v in (
-        cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps))
-    ws = world_size
-
-    def divide(factors: list[tuple[str, int]]) -> int:
-        divisor = math.prod(v for _, v in factors)
-        if tbs % divisor:
-            spelled = " x ".join(f"{name} {v}" for name, v in factors)
-            if len(factors) > 1:
-                spelled += f" = {divisor}"
-            raise ConfigError(f"train_batch_size {tbs} is not divisible by {spelled}")
-        return tbs // divisor
-
-    if tbs is not None and micro is not None and gas is not None:
-        if tbs != micro * gas * ws:
-            raise ConfigError(
-                f"train_batch_size {tbs} != train_micro_batch_size_per_gpu {micro} x "
-                f"gradient_accumulation_steps {gas} x world_size {ws} (= {micro * gas * ws})")
-    elif tbs is not None and micro is not None:
-        gas = divide([("train_micro_batch_size_per_gpu", micro), ("world_size", ws)])
-    elif tbs is not None and gas is not None:
-        micro = divide([("gradient_accumulation_steps", gas), ("world_size", ws)])
-    elif tbs is not None:
-        gas = 1
-        micro = divide([("world_size", ws)])
-    elif micro is not None:
-        gas = gas or 1
-        tbs = micro * gas * ws
-    else:
-        raise _no_batch_size(cfg)
-    return tbs, micro, gas
-
-
-def _no_batch_size(cfg: Config) -> ConfigError:
-    """DeepSpeed's refusal of a config that fixes no batch size, naming what it holds."""
-    given = [f"{name} {_fmt(value)}" for name in _BATCH_KEYS if (value := getattr(cfg, name)) is not None]
-    got = ", ".join(given) if given else "none of " + ", ".join(_BATCH_KEYS)
-    return ConfigError(
-        f"train_batch_size, train_micro_batch_size_per_gpu: got {got}; allowed: an integer >= 1 for "
-        "train_batch_size or train_micro_batch_size_per_gpu (as in DeepSpeed: \"Either train_batch_size or "
-        "train_micro_batch_size_per_gpu needs to be provided\"), e.g. \"train_micro_batch_size_per_gpu\": 8. "
-        "\"auto\" is a placeholder for the launcher to fill in (the Hugging Face Trainer and zerodp train "
-        "do); zerodp.initialize fills train_micro_batch_size_per_gpu from a torch DataLoader passed as "
-        "training_data")
-
-
-_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
 def _nested_model(annotation: Any) -> type[BaseModel] | None:
