@@ -17,7 +17,8 @@ import torch.distributed as _dist
 from torch.distributed import ReduceOp
 
 from .core import teardown
-from .core.device import backend_for, default_device, init_distributed as _start_group, local_rank
+from .core.device import backend_for, default_device, local_rank
+from .core.device import init_distributed as _start_group
 
 __all__ = ["ReduceOp", "init_distributed", "is_initialized", "is_available", "get_rank", "get_world_size",
            "get_local_rank", "get_global_rank", "get_backend", "barrier", "all_reduce", "broadcast",
@@ -156,7 +157,7 @@ def log_summary(show_straggler: bool = False) -> None:
     collective kind (``engine.comm_stats()``; ``show_straggler`` is accepted and ignored)."""
     if get_rank() != 0:
         return
-    from .core.engine import live_engines
+    from .core.live import live_engines
     for i, engine in enumerate(live_engines()):
         stats = engine.comm_stats()
         parts = ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in stats.items())

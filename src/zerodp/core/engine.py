@@ -44,29 +44,36 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .device import default_device, synchronize
-from .collectives import Comm
 from ..config import Config, ConfigError, resolve_batch_sizes
-from .engine_api import EngineAPI
-from .assemble import (adopt_replaced_params, broadcast_initial_state, build_flat_groups, build_lr_scheduler,
-                       build_optimizer, user_param_groups)
-from .gather import (Prefetcher, Unit, external_users, initialize_meta_units, install_external_hooks,
-                    install_unit_hooks, plan_units, register_params)
 from ..offload import OptimizerOffload, ParamOffload, group_cap
+from . import live
+from .assemble import (
+    adopt_replaced_params,
+    broadcast_initial_state,
+    build_flat_groups,
+    build_lr_scheduler,
+    build_optimizer,
+    user_param_groups,
+)
+from .collectives import Comm
+from .device import default_device, synchronize
+from .engine_api import EngineAPI
+from .gather import (
+    Prefetcher,
+    Unit,
+    external_users,
+    initialize_meta_units,
+    install_external_hooks,
+    install_unit_hooks,
+    plan_units,
+    register_params,
+)
 from .plain_loop import PlainLoop
 from .precision import LossScaler, PrecisionPolicy
 from .reduce import GradReducer
 from .stages import StagePolicy, policy_for
 
 logger = logging.getLogger("zerodp")
-
-_LIVE: "weakref.WeakSet[ZeroEngine]" = weakref.WeakSet()
-
-
-def live_engines() -> list["ZeroEngine"]:
-    """The engines alive in this process (for ``zerodp.comm.log_summary``)."""
-    return list(_LIVE)
-
 
 #: Elements per row when summing squares (see ``squared_l2``).
 NORM_ROW = 1 << 12
@@ -221,7 +228,7 @@ class ZeroEngine(EngineAPI, nn.Module):
             pieces_by_group[g.param_group].extend(pieces)
         self.optimizer = build_optimizer(config, groups, pieces_by_group, optimizer)
         self._plain = PlainLoop(self)  # before the scheduler, which wraps optimizer.step
-        _LIVE.add(self)  # for zerodp.comm.log_summary()
+        live.track(self)  # for zerodp.comm.log_summary() and the teardown at exit
         self.lr_scheduler = build_lr_scheduler(config, self.optimizer, lr_scheduler)
 
         self._hooks = [p.register_post_accumulate_grad_hook(_grad_hook(self, t, i))
@@ -435,7 +442,8 @@ class ZeroEngine(EngineAPI, nn.Module):
                 if coef < 1.0:
                     grad.mul_(coef)
                 g.attach_piece_grads(u, grad)
-            type(self.optimizer).step(self.optimizer)  # the class's step: the instance's is optimizer.step() of plain loops
+            # the class's step: the instance's is optimizer.step() of plain loops
+            type(self.optimizer).step(self.optimizer)
             for g in self.trainable:
                 g.write_back_master()
         self.optimizer._opt_called = True  # what torch's scheduler checks (its wrapper is on the instance's step)

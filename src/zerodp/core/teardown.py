@@ -41,6 +41,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from .live import live_engines
+
 logger = logging.getLogger("zerodp")
 
 _lock = threading.Lock()
@@ -82,8 +84,6 @@ def at_exit() -> None:
     global _our_group
     if _installed_in is not None and os.getpid() != _installed_in:
         return  # a forked child that inherited the handler: the engines and the group are its parent's
-    from .engine import live_engines  # here: core.engine imports device.py, which imports this module
-
     for engine in live_engines():
         try:
             engine.destroy()
