@@ -28,19 +28,30 @@ The modules, in the order :func:`estimate` uses them:
 * ``activations.py`` activations of a known transformer shape
 * ``buffers.py``     gradient buckets and stage 3's gathered parameters
 * ``stages.py``      one row per stage and offload: memory per rank and whether it fits
-* ``recommend.py``   :func:`estimate`, :class:`Estimate` and the recommendation
-* ``report.py``      the report as text
+* ``recommend.py``   :func:`estimate` and the recommendation
+* ``report.py``      :class:`Estimate`, the result, and the report as text
 """
 # ruff: noqa: F401 - the names of every module stay importable from the package
 from __future__ import annotations
 
-from .accounting import (ACCOUNTINGS, FP32, OPTIMIZERS, PRECISIONS, Accounting, OptimizerSpec,
-                         make_accounting)
-from .activations import (ACTIVATION_ASSUMPTIONS, ACTIVATION_FORMULA, Activations,
-                          estimate_activations, layer_activation_bytes)
+from .accounting import ACCOUNTINGS, FP32, OPTIMIZERS, PRECISIONS, Accounting, OptimizerSpec, make_accounting
+from .activations import (
+                         ACTIVATION_ASSUMPTIONS,
+                         ACTIVATION_FORMULA,
+                         Activations,
+                         estimate_activations,
+                         layer_activation_bytes,
+)
 from .buffers import Buffers, estimate_buffers
-from .inputs import (DEFAULT_MAX_LIVE, DEFAULT_PERSISTENCE, DEFAULT_REDUCE_BUCKET, GB, EstimateError,
-                     parse_count, parse_memory)
+from .inputs import (
+                         DEFAULT_MAX_LIVE,
+                         DEFAULT_PERSISTENCE,
+                         DEFAULT_REDUCE_BUCKET,
+                         GB,
+                         EstimateError,
+                         parse_count,
+                         parse_memory,
+)
 from .model import ModelInfo, TransformerShape, describe_model, resolve_model, transformer_shape
 from .recommend import RECOMMENDATION_ORDER, Estimate, estimate
 from .report import format_estimate

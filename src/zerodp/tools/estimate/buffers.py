@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...core.reduce import MAX_BUCKETS_IN_FLIGHT
+from .inputs import _num
 from .model import ModelInfo
-from .report import _num
 
 
 @dataclass(frozen=True)

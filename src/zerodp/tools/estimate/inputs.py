@@ -87,3 +87,17 @@ def _element_count(value: Any, name: str) -> int:
     except EstimateError:
         raise EstimateError(name, f"{value!r}; allowed: a positive whole number of elements "
                             "(e.g. 500000000, 5e8 or 500M)") from None
+
+
+def _num(n: int) -> str:
+    return f"{n:,}"
+
+
+def _gb(b: Optional[int]) -> str:
+    """Bytes in GB (1e9) with one decimal, or in MB, KB or bytes when below 0.1 GB."""
+    if b is None:
+        return "?"
+    for unit, size in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if b >= size // 10:
+            return f"{b / size:.1f} {unit}"
+    return f"{b} bytes"

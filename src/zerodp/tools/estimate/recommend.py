@@ -2,77 +2,22 @@
 recommends the fastest one that fits; :class:`Estimate` holds the result."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
 from typing import Optional, Union
 
 from torch import nn
 
 from ...core.flat import ALIGN_BYTES
-from .accounting import Accounting, OptimizerSpec, _optimizer, make_accounting
+from .accounting import OptimizerSpec, _optimizer, make_accounting
 from .activations import Activations, estimate_activations
-from .buffers import Buffers, estimate_buffers
-from .inputs import (DEFAULT_MAX_LIVE, DEFAULT_REDUCE_BUCKET, _element_count, _positive_int,
-                     parse_memory)
+from .buffers import estimate_buffers
+from .inputs import DEFAULT_MAX_LIVE, DEFAULT_REDUCE_BUCKET, _element_count, _gb, _positive_int, parse_memory
 from .model import ModelInfo, resolve_model
-from .report import _gb, format_estimate
+from .report import Estimate
 from .stages import ROW_KEYS, Row, _with_fit, estimate_row
 
 #: Fastest first: lower stages communicate less; offload runs the optimizer on the CPU.
 RECOMMENDATION_ORDER = [(0, "none"), (1, "none"), (2, "none"), (3, "none"), (2, "optimizer"),
                         (3, "optimizer"), (3, "optimizer+params")]
-
-
-@dataclass
-class Estimate:
-    """Everything ``zerodp estimate`` prints; :meth:`to_dict` for JSON, :meth:`format` for text."""
-
-    model: ModelInfo
-    nodes: int
-    ranks_per_node: int
-    precision: str
-    optimizer: OptimizerSpec
-    accounting: Accounting
-    device_memory: Optional[int]
-    cpu_memory: Optional[int]
-    buffers: Buffers
-    activations: Activations
-    rows: list[Row]
-    recommendation: Optional[Row]
-    reason: str
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def world_size(self) -> int:
-        return self.nodes * self.ranks_per_node
-
-    def row(self, stage: int, offload: str = "none") -> Row:
-        """The row of ``stage`` with ``offload``."""
-        return next(r for r in self.rows if (r.stage, r.offload) == (stage, offload))
-
-    def to_dict(self) -> dict:
-        rec = self.recommendation
-        return {
-            "model": asdict(self.model),
-            "nodes": self.nodes, "ranks_per_node": self.ranks_per_node, "world_size": self.world_size,
-            "precision": self.precision,
-            "optimizer": asdict(self.optimizer),
-            "accounting": {**asdict(self.accounting), "k": self.accounting.k,
-                           "description": self.accounting.describe(self.optimizer),
-                           "formulas": self.accounting.formulas()},
-            "device_memory": self.device_memory, "cpu_memory_per_node": self.cpu_memory,
-            "units": "bytes per rank unless named per node",
-            "buffers": asdict(self.buffers),
-            "activations": asdict(self.activations),
-            "rows": [r.to_dict() for r in self.rows],
-            "recommendation": None if rec is None else {"stage": rec.stage, "offload": rec.offload,
-                                                        "label": rec.label},
-            "reason": self.reason,
-            "notes": self.notes,
-        }
-
-    def format(self) -> str:
-        """The human-readable report."""
-        return format_estimate(self)
 
 
 def _recommend(rows: list[Row], device_memory: Optional[int], cpu_memory: Optional[int],

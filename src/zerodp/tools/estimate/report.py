@@ -1,25 +1,71 @@
-"""The estimate as text: the table of configurations and the report ``zerodp estimate`` prints."""
+"""The estimate's result, :class:`Estimate`, and its text: the table of configurations and the
+report ``zerodp estimate`` prints."""
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Optional
 
+from .inputs import _gb, _num
+
 if TYPE_CHECKING:
-    from .recommend import Estimate
+    from .accounting import Accounting, OptimizerSpec
+    from .activations import Activations
+    from .buffers import Buffers
+    from .model import ModelInfo
     from .stages import Row
 
 
-def _num(n: int) -> str:
-    return f"{n:,}"
+@dataclass
+class Estimate:
+    """Everything ``zerodp estimate`` prints; :meth:`to_dict` for JSON, :meth:`format` for text."""
 
+    model: ModelInfo
+    nodes: int
+    ranks_per_node: int
+    precision: str
+    optimizer: OptimizerSpec
+    accounting: Accounting
+    device_memory: Optional[int]
+    cpu_memory: Optional[int]
+    buffers: Buffers
+    activations: Activations
+    rows: list[Row]
+    recommendation: Optional[Row]
+    reason: str
+    notes: list[str] = field(default_factory=list)
 
-def _gb(b: Optional[int]) -> str:
-    """Bytes in GB (1e9) with one decimal, or in MB, KB or bytes when below 0.1 GB."""
-    if b is None:
-        return "?"
-    for unit, size in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
-        if b >= size // 10:
-            return f"{b / size:.1f} {unit}"
-    return f"{b} bytes"
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    def row(self, stage: int, offload: str = "none") -> Row:
+        """The row of ``stage`` with ``offload``."""
+        return next(r for r in self.rows if (r.stage, r.offload) == (stage, offload))
+
+    def to_dict(self) -> dict:
+        rec = self.recommendation
+        return {
+            "model": asdict(self.model),
+            "nodes": self.nodes, "ranks_per_node": self.ranks_per_node, "world_size": self.world_size,
+            "precision": self.precision,
+            "optimizer": asdict(self.optimizer),
+            "accounting": {**asdict(self.accounting), "k": self.accounting.k,
+                           "description": self.accounting.describe(self.optimizer),
+                           "formulas": self.accounting.formulas()},
+            "device_memory": self.device_memory, "cpu_memory_per_node": self.cpu_memory,
+            "units": "bytes per rank unless named per node",
+            "buffers": asdict(self.buffers),
+            "activations": asdict(self.activations),
+            "rows": [r.to_dict() for r in self.rows],
+            "recommendation": None if rec is None else {"stage": rec.stage, "offload": rec.offload,
+                                                        "label": rec.label},
+            "reason": self.reason,
+            "notes": self.notes,
+        }
+
+    def format(self) -> str:
+        """The human-readable report."""
+        return format_estimate(self)
 
 
 def _unit_for(largest: int) -> tuple[str, int]:
