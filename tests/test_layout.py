@@ -154,3 +154,71 @@ def test_the_checker_finds_cycles_of_every_import_form(tmp_path):
     cycle = find_cycle(edges)
     assert cycle is not None and cycle[0] == cycle[-1]
     assert set(cycle) == {"pkg.a", "pkg.b", "pkg.sub.c", "pkg.d", "pkg.sub"}
+
+
+# -- sizes and private names ----------------------------------------------------------------
+
+MAX_LINES = 600
+
+
+def test_no_source_file_is_over_the_size_line():
+    """A file past ~600 lines holds more than one idea: split it along them."""
+    sizes = {path: len(path.read_text(encoding="utf-8").splitlines()) for path in module_files().values()}
+    assert len(sizes) > 40
+    over = [f"{p.relative_to(SRC)}: {n} lines" for p, n in sorted(sizes.items()) if n > MAX_LINES]
+    assert not over, "\n".join(over)
+
+
+#: the classes whose private members stay inside core/: the engine and the gradient reducer
+PRIVATE_OWNERS = {"core/engine.py": ("ZeroEngine",), "core/engine_api.py": ("EngineAPI",),
+                  "core/reduce.py": ("GradReducer",)}
+
+
+def private_members(path: Path, classes: tuple[str, ...]) -> set[str]:
+    """The ``_name`` attributes ``classes`` in ``path`` define: methods and ``self._name = ...``."""
+    names = set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if not (isinstance(node, ast.ClassDef) and node.name in classes):
+            continue
+        for sub in ast.walk(node):
+            if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                names.add(sub.name)
+            elif isinstance(sub, ast.Attribute) and isinstance(sub.ctx, ast.Store) \
+                    and isinstance(sub.value, ast.Name) and sub.value.id == "self":
+                names.add(sub.attr)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def private_reads(path: Path, names: set[str]) -> list[tuple[int, str]]:
+    """``(line, text)`` for each ``x._name`` in ``path`` with ``_name`` in ``names`` and ``x`` not
+    ``self`` (a class's own private members are its business)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Attribute) and node.attr in names:
+            if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_nothing_outside_core_reads_the_engines_or_reducers_private_members():
+    pkg = SRC / PACKAGE
+    names = set()
+    for rel, classes in PRIVATE_OWNERS.items():
+        names |= private_members(pkg / rel, classes)
+    assert {"_checkpointer", "_apply_update"} <= names, "the collector misses the engine's private members"
+    found = [f"{path.relative_to(SRC)}:{line}: {text}"
+             for path in sorted(pkg.rglob("*.py")) if "core" not in path.relative_to(pkg).parts
+             for line, text in private_reads(path, names)]
+    assert not found, "\n".join(found)
+
+
+def test_the_private_read_checker_sees_reads_and_not_own_members(tmp_path):
+    owner = tmp_path / "owner.py"
+    owner.write_text("class E:\n    def __init__(self):\n        self._state = 1\n"
+                     "    def _step(self):\n        return self._state\n", encoding="utf-8")
+    names = private_members(owner, ("E",))
+    assert names == {"_state", "_step"}
+    reader = tmp_path / "reader.py"
+    reader.write_text("def f(engine):\n    engine._step()\n    return self._state, engine.public\n",
+                      encoding="utf-8")
+    assert private_reads(reader, names) == [(2, "engine._step")]
