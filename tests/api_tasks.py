@@ -252,7 +252,8 @@ def reference(world: int, spec: dict) -> dict:
     groups = param_groups(model, spec)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(spec, groups if groups else trainable)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda) if spec["sched"] in ("lambda", "lambda_callable") else None
+    lambda_sched = spec["sched"] in ("lambda", "lambda_callable")
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda) if lambda_sched else None
     norms, lrs = [], []
     for step in range(spec["steps"]):
         if spec["sched"] == "warmup":

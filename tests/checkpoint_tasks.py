@@ -13,16 +13,15 @@ into the compute-dtype parameters after every step. With ``communication_data_ty
 """
 from __future__ import annotations
 
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from parity_model import ADAMW, MICRO, ParityNet, batch, build_model, gathered_params, param_groups, use_branch
+from precision_tasks import DTYPES, gathered_masters, master_update
 from torch import nn
 
 import zerodp
 from zerodp.optim.schedules import WarmupLR
-from parity_model import ADAMW, MICRO, ParityNet, batch, build_model, gathered_params, param_groups, use_branch
-from precision_tasks import DTYPES, gathered_masters, master_update
 
 GLOBAL_MICROS = 12
 CLIP = 0.5
@@ -277,7 +276,7 @@ def save_16bit_task(group, stage: int, dtype: str, out_dir: str) -> dict:
 def hf_save_task(group, stage: int, save_dir: str) -> dict:
     """A tiny transformers GPT-2 trained 2 steps at ``stage``, then saved."""
     import hf_tasks
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    rank = dist.get_rank(group)
     model = hf_tasks.build_model("gpt2")
     cfg = {"train_micro_batch_size_per_gpu": hf_tasks.MICRO, "gradient_accumulation_steps": 1,
            "steps_per_print": 10_000, "optimizer": {"type": "AdamW", "params": dict(hf_tasks.ADAMW)},

@@ -26,10 +26,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import zerodp  # noqa: E402
+import checkpoint_tasks as ct  # noqa: E402
+
 from zerodp.checkpoint import save as save_module  # noqa: E402
 from zerodp.checkpoint import tensorfile  # noqa: E402
-import checkpoint_tasks as ct  # noqa: E402
 
 
 def die() -> None:

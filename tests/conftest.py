@@ -1,5 +1,4 @@
 import pytest
-
 from distpool import WorkerPool
 
 _pool = None

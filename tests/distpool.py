@@ -94,7 +94,7 @@ class WorkerPool:
                     why = (f"worker rank(s) {dead} died" if dead
                            else f"did not finish in {timeout}s; a rank may be stuck in a collective")
                     raise TaskFailed(f"{fn.__name__} on {world_size} ranks: {why} (finished ranks: "
-                                     f"{sorted(out)}){''.join(chr(10) + e for e in errors)}")
+                                     f"{sorted(out)}){''.join(chr(10) + e for e in errors)}") from None
                 continue
             if got_id != tid:
                 continue

@@ -50,7 +50,8 @@ def engine_queries(group, stage: int, precision: str) -> dict:
                                               process_group=group)
     out = {"fp16": engine.fp16_enabled(), "bf16": engine.bfloat16_enabled(), "stage": engine.zero_optimization_stage(),
            "world_size": engine.world_size, "global_rank": engine.global_rank, "local_rank": engine.local_rank,
-           "device": str(engine.device), "module_is_model": engine.module is model, "optimizer_is": opt is engine.optimizer,
+           "device": str(engine.device), "module_is_model": engine.module is model,
+           "optimizer_is": opt is engine.optimizer,
            "scheduler_is": sched is engine.lr_scheduler and sched is not None,
            "gas": engine.gradient_accumulation_steps(), "train_batch_size": engine.train_batch_size(),
            "micro": engine.train_micro_batch_size_per_gpu(), "norm_before": engine.get_global_grad_norm()}

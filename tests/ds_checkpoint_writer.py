@@ -33,10 +33,9 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import parity_model as pm  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-
-import parity_model as pm  # noqa: E402
 
 #: name -> (stage, dtype, gradient accumulation steps, training steps, extra config)
 CONFIGS = {

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import warnings
 
+import parity_model as pm
 import torch
 import torch.distributed as dist
+from ds_checkpoint_writer import build_model, ds_config
+from parity_model import gathered_params
+from precision_tasks import DTYPES, gathered_masters, master_update
 
 import zerodp
 from zerodp.optim.schedules import WarmupLR
-import parity_model as pm
-from ds_checkpoint_writer import build_model, ds_config
-from precision_tasks import DTYPES, gathered_masters, master_update
-from parity_model import gathered_params
 
 DS_WORLD = 2
 

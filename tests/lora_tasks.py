@@ -7,11 +7,11 @@ are imported inside the functions.
 """
 from __future__ import annotations
 
+import hf_tasks
 import torch
 import torch.distributed as dist
 
 import zerodp
-import hf_tasks
 
 ADAMW = {"lr": 0.01, "betas": (0.9, 0.99), "eps": 1e-6, "weight_decay": 0.0}
 STEPS, GAS = 3, 2
@@ -50,7 +50,7 @@ def reference(world: int) -> dict:
 
 
 def lora_train(group, stage: int, save_dir: str | None = None, precision: str = "fp32") -> dict:
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    rank = dist.get_rank(group)
     model = build_lora()
     cfg = {"train_micro_batch_size_per_gpu": hf_tasks.MICRO, "gradient_accumulation_steps": GAS,
            "steps_per_print": 10**9, "optimizer": {"type": "AdamW", "params": dict(ADAMW, betas=list(ADAMW["betas"]))},

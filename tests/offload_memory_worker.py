@@ -62,7 +62,7 @@ def main() -> None:
     with zerodp.zero.Init(enabled=zero["stage"] == 3):
         model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)])
     engine, *_ = zerodp.initialize(model=model, config=cfg, unit_classes=(nn.Linear,))
-    for step in range(3):
+    for _ in range(3):
         loss = engine(x).float().pow(2).mean()
         engine.backward(loss)
         engine.step()

@@ -4,11 +4,6 @@ from __future__ import annotations
 
 import os
 
-import torch
-import torch.distributed as dist
-from torch import nn
-
-import zerodp
 from checkpoint_tasks import make_engine, snapshot, train_steps
 
 

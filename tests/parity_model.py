@@ -110,7 +110,8 @@ def train_engine(group, stage: int, steps: int, gas: int = 1, clip: float = 0.0,
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     model = build_model()
     engine, _, _, _ = zerodp.initialize(model=model, model_parameters=param_groups(model),
-                                        config=make_config(stage, world, gas, clip, bucket, overlap, optimizer, reduce_scatter),
+                                        config=make_config(stage, world, gas, clip, bucket, overlap, optimizer,
+                                                           reduce_scatter),
                                         process_group=group)
     norms = []
     for step in range(steps):

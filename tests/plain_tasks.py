@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from parity_model import batch, build_model, gathered_params, make_config, param_groups, use_branch
 
 import zerodp
-from parity_model import batch, build_model, gathered_params, make_config, param_groups, use_branch
 
 
 def plain_train(group, stage: int, steps: int, gas: int = 1, clip: float = 0.0, no_sync: bool = False,

@@ -12,10 +12,10 @@ import math
 
 import torch
 import torch.distributed as dist
+from parity_model import ADAMW, batch, build_model, gathered_params, param_groups, use_branch
 
 import zerodp
 from zerodp.core.precision import LossScaleAtMinimumError
-from parity_model import ADAMW, batch, build_model, gathered_params, param_groups, use_branch
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -82,7 +82,7 @@ def reference_mixed(world: int, steps: int, dtype: str, gas: int = 1, clip: floa
                 continue
             zero = torch.zeros_like(p)
 
-            def g(r, m):
+            def g(r, m, got=got, zero=zero):
                 return got.get((r, m), zero)
             if order == "fp32":
                 total[id(p)] = sum(v.float() for v in got.values())
@@ -268,7 +268,8 @@ def overflow_at_minimum_task(group, stage: int, gas: int = 1) -> list[dict]:
             except LossScaleAtMinimumError as e:
                 error = str(e)
             after = gathered_params(engine)
-            rows.append({"error": error, "changed": any(not torch.equal(before[n], p.float()) for n, p in after.items()),
+            changed = any(not torch.equal(before[n], p.float()) for n, p in after.items())
+            rows.append({"error": error, "changed": changed,
                          "skipped": engine.skipped_steps, "global_steps": engine.global_steps,
                          "micro_steps": engine.micro_steps, "scale": engine.loss_scale,
                          "norm_finite": math.isfinite(engine.get_global_grad_norm())})

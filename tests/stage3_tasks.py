@@ -241,7 +241,8 @@ def meta_init_task(group, precision: str = "fp32") -> dict:
     engine.destroy()
     held = (mem["parameters"] + mem["gradients"] + mem["optimizer_states"] + mem["master_weights"]
             + mem["gathered_parameters_peak"])
-    return {"dtypes": dtypes, "master_bytes": mem["master_weights"], "full_bytes": full_bytes, "init_peak": init_peak, "unit_bytes": unit_bytes, "held": held,
+    return {"dtypes": dtypes, "master_bytes": mem["master_weights"], "full_bytes": full_bytes,
+            "init_peak": init_peak, "unit_bytes": unit_bytes, "held": held,
             "losses": losses, "std": std, "ln": ln, "checksum": checksum, "tied": tied}
 
 

@@ -9,10 +9,22 @@ the ``spec`` keys).
 
 import pytest
 import torch
-
-from api_tasks import (GROUP_LRS, WARMUP, boundary_task, build_model, dataloader_task, error_task,
-                       lr_lambda, named_parameters_task, no_sync_boundary_error_task, reference,
-                       train_many, train_task, warmup_lrs, zero_grad_and_modes_task)
+from api_tasks import (
+    GROUP_LRS,
+    WARMUP,
+    boundary_task,
+    build_model,
+    dataloader_task,
+    error_task,
+    lr_lambda,
+    named_parameters_task,
+    no_sync_boundary_error_task,
+    reference,
+    train_many,
+    train_task,
+    warmup_lrs,
+    zero_grad_and_modes_task,
+)
 
 TIMEOUT = 120
 

@@ -30,7 +30,8 @@ def test_every_adam_case_updates_like_torch_adamw():
         torch.manual_seed(0)
         got_step = mod._adam_case(n, mod.PIECES, build)
         want_opt, got_opt = want_step.__self__, got_step.__self__
-        want_step(); got_step()
+        want_step()
+        got_step()
         want = torch.cat([p.detach() for g in want_opt.param_groups for p in g["params"]])
         got = torch.cat([p.detach() for g in got_opt.param_groups for p in g["params"]])
         assert torch.allclose(got, want, rtol=1e-6, atol=1e-7)

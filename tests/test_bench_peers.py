@@ -34,7 +34,8 @@ def test_summary_ratios_medians_and_agreement():
             _run("zero2", 2, 2.2, 3.1 + peers.LOSS_ATOL / 2, 2.0 * (1 + peers.GRAD_NORM_RTOL / 2)),
             _run("fsdp2", 2, 2.4, 3.3, 4.0),                          # grads summed, not averaged
             peers.Run("ds2", 2, 0, error="RuntimeError: boom")]
-    rows = peers.summarize(runs, [2], ["ddp", "zero2", "fsdp2", "ds2", "ds3"], {"ds3": "not installed: pip install deepspeed"})
+    rows = peers.summarize(runs, [2], ["ddp", "zero2", "fsdp2", "ds2", "ds3"],
+                           {"ds3": "not installed: pip install deepspeed"})
     by = {s.system: s for s in rows}
     assert by["ddp"].step_s == 2.0 and by["ddp"].vs_ddp == 1.0 and by["ddp"].reps == 3
     assert by["zero2"].vs_ddp == pytest.approx(1.1) and by["zero2"].ok and by["zero2"].note == ""
@@ -44,7 +45,8 @@ def test_summary_ratios_medians_and_agreement():
     assert by["ds3"].note == "not installed: pip install deepspeed"
 
     table = peers.format_table(rows).splitlines()
-    assert len(table) == 2 + 5 and table[0].startswith("| world | system | step (ms, median) | runs' range (ms) | vs DDP")
+    assert len(table) == 2 + 5 and table[0].startswith(
+        "| world | system | step (ms, median) | runs' range (ms) | vs DDP")
     assert table[2].startswith("| 2 | ddp | 2000.0 | 1000-3000 | 1.00 | 500 | 300 | 1.0 | 2.0 | 3 |")
     assert "**fsdp2** (!)" in table[4] and "DISAGREES" in table[4]
     assert table[5].startswith("| 2 | ds2 | - | - | - |") and table[5].endswith("failed: RuntimeError: boom |")

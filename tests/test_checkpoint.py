@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import json
 
+import checkpoint_tasks as ct
 import pytest
 import torch
-
-import checkpoint_tasks as ct
 
 K = 2  # steps before the save, and after the resume
 

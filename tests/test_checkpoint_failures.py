@@ -9,10 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import checkpoint_tasks as ct
 import pytest
 import torch
 
-import checkpoint_tasks as ct
 from zerodp.checkpoint import CheckpointError, get_fp32_state_dict_from_zero_checkpoint, list_tags
 from zerodp.checkpoint.load import open_source
 

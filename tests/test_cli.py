@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from zerodp.tools import cli, train
 from zerodp.config import ConfigError
+from zerodp.tools import cli, train
 
 TRAIN_OPTIONS = ["--nproc", "--preset", "--config", "--model", "--steps", "--micro-batch",
                  "--grad-accum", "--lr", "--precision", "--seed", "--eval-every", "--max-bytes", "--out"]

@@ -3,7 +3,6 @@ import warnings
 
 import pytest
 
-from zerodp.optim.build import optimizer_from_config
 from zerodp.config import (
     PRESETS,
     Config,
@@ -14,6 +13,7 @@ from zerodp.config import (
     load_config,
     resolve_batch_sizes,
 )
+from zerodp.optim.build import optimizer_from_config
 
 
 def load_quietly(config=None, preset=None):

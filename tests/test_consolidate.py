@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import json
 
+import checkpoint_tasks as ct
 import pytest
 import torch
 from safetensors.torch import load_file
 
-import checkpoint_tasks as ct
 import zerodp
-from zerodp.tools import cli
 from zerodp.checkpoint import consolidate, get_fp32_state_dict_from_zero_checkpoint
+from zerodp.tools import cli
 from zerodp.utils import load_state_dict_from_zero_checkpoint
 from zerodp.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict
 
@@ -71,7 +71,8 @@ def test_deepspeed_names(bf16_ckpt, tmp_path):
     for name, value in saved["masters"].items():
         assert torch.equal(state[name], value) and torch.equal(dict(model.named_parameters())[name].detach(), value)
     convert_zero_checkpoint_to_fp32_state_dict(ckpt, tmp_path / "fp32")
-    assert torch.equal(load_file(str(tmp_path / "fp32" / "model.safetensors"))["l1.weight"], saved["masters"]["l1.weight"])
+    written = load_file(str(tmp_path / "fp32" / "model.safetensors"))
+    assert torch.equal(written["l1.weight"], saved["masters"]["l1.weight"])
 
 
 def test_transformers_from_pretrained_loads_the_output(pool, tmp_path):

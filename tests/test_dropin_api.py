@@ -10,12 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import dropin_tasks as dt
 import pytest
 import torch
 from torch import nn
 
 import zerodp
-import dropin_tasks as dt
 
 SRC = str(Path(__file__).resolve().parent.parent / "src")
 
@@ -126,12 +126,12 @@ def test_unsupported_names_say_so():
     with pytest.raises(NotImplementedError, match=r"zerodp\.moe\.layer\.MoE: .*Mixture-of-Experts"):
         scope["zerodp"].moe.layer.MoE(hidden_size=8, expert=None)
     with pytest.raises(NotImplementedError, match="inference engine"):
-        zerodp.init_inference
+        _ = zerodp.init_inference
     with pytest.raises(AttributeError):
-        zerodp.init_inference
+        _ = zerodp.init_inference
     assert not hasattr(zerodp, "PipelineEngine")
     with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
-        zerodp.no_such_name
+        _ = zerodp.no_such_name
     m = nn.Linear(2, 2)
     with pytest.raises(NotImplementedError, match="model parallelism"):
         zerodp.initialize(model=m, config={"train_batch_size": 1}, mpu=object())

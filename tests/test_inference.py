@@ -9,9 +9,9 @@ import torch
 from safetensors.torch import save_file
 
 import zerodp
-from zerodp.tools import cli
 from zerodp.examples.gpt import build_gpt
 from zerodp.inference import stream
+from zerodp.tools import cli
 
 
 def save_weights(model: torch.nn.Module, path: str) -> None:

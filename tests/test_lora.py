@@ -3,10 +3,9 @@ weights without gradients or optimizer state (sharded at stage 3), and the adapt
 PEFT's own format."""
 from __future__ import annotations
 
+import lora_tasks as lt
 import pytest
 import torch
-
-import lora_tasks as lt
 
 pytest.importorskip("peft", reason="LoRA tests need peft (in the test extra)")
 
@@ -57,8 +56,8 @@ def test_lora_bf16_stage3_memory(pool):
 
 
 def test_adapter_saved_in_peft_format(pool, tmp_path):
-    from peft import PeftModel
     import hf_tasks
+    from peft import PeftModel
     trained = pool.run(lt.lora_train, 2, 3, str(tmp_path / "adapter"))[0]["params"]
     assert (tmp_path / "adapter" / "adapter_config.json").is_file()
     loaded = PeftModel.from_pretrained(hf_tasks.build_model("gpt2"), str(tmp_path / "adapter"))

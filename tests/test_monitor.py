@@ -11,11 +11,11 @@ import sys
 import warnings
 
 import pytest
+from monitor_tasks import build_model, make_config, train_and_record
 
 import zerodp
-from monitor_tasks import build_model, make_config, train_and_record
-from zerodp.tools import cli, monitor, plot, train
 from zerodp.config import ConfigError, load_config
+from zerodp.tools import cli, monitor, plot, train
 
 MEM_KEYS = ("parameters", "gradients", "optimizer_states", "master_weights", "model_states")
 
@@ -153,7 +153,7 @@ def test_only_rank_zero_writes(pool, tmp_path):
     _, rows = read_csv(tmp_path / "shared" / "metrics.csv")
     assert len(rows) == 3
     rank0, rank1 = results
-    assert [float(r["loss"]) for r in rows] == pytest.approx([l[0] for l in rank0["losses"]], rel=1e-6)
+    assert [float(r["loss"]) for r in rows] == pytest.approx([loss[0] for loss in rank0["losses"]], rel=1e-6)
     assert rank0["losses"] != rank1["losses"]  # each rank saw its own data
     assert [float(r["grad_norm"]) for r in rows] == rank0["grad_norms"]
     assert [int(r["comm_total"]) for r in rows] == [c["total"] for c in rank0["comm"]]

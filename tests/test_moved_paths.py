@@ -18,12 +18,13 @@ def test_old_path_is_the_new_module(old):
 
 
 def test_documented_names_resolve():
-    from zerodp.checkpoint.consolidate import consolidate  # noqa: F401
     from zerodp.estimator import EstimateError, estimate  # noqa: F401
-    from zerodp.examples.gpt import build_gpt  # noqa: F401
-    from zerodp.inference import stream  # noqa: F401
     from zerodp.memory_check import compare_with_engine, format_comparison  # noqa: F401
     from zerodp.plot import plot_runs, plot_stage_memory  # noqa: F401
+
+    from zerodp.checkpoint.consolidate import consolidate  # noqa: F401
+    from zerodp.examples.gpt import build_gpt  # noqa: F401
+    from zerodp.inference import stream  # noqa: F401
     from zerodp.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # noqa: F401
     assert zerodp.estimate is estimate
     from zerodp.engine import ZeroEngine

@@ -3,11 +3,11 @@ without offload and as one process, checkpoints that move between offload and no
 world size, the host-memory check, and the config keys."""
 from __future__ import annotations
 
+import checkpoint_tasks as ct
+import offload_tasks as ot
 import pytest
 import torch
 
-import checkpoint_tasks as ct
-import offload_tasks as ot
 import zerodp
 from zerodp.config import ConfigError, load_config
 from zerodp.offload import HostMemoryError, check_host_budget
@@ -143,7 +143,8 @@ def test_offload_block_of_a_config_written_elsewhere():
         "contiguous_gradients": True, "sub_group_size": 0, "stage3_max_live_parameters": 0,
         "stage3_max_reuse_distance": 0, "stage3_gather_16bit_weights_on_model_save": True}})
     z = cfg.zero_optimization
-    assert (z.optimizer_offload, z.param_offload, z.sub_group_size, z.stage3_max_live_parameters) == ("cpu", "cpu", 0, 0)
+    got = (z.optimizer_offload, z.param_offload, z.sub_group_size, z.stage3_max_live_parameters)
+    assert got == ("cpu", "cpu", 0, 0)
 
 
 def test_offload_config_keys():
@@ -203,6 +204,7 @@ def test_train_with_offload(tmp_path, capsys, flags, where):
     """``zerodp train --preset zero3_offload`` and ``--nvme-path DIR`` train, and the summary's
     memory table puts the optimizer's bytes on the host or the disk."""
     import json
+
     from zerodp import cli
     flags = [str(tmp_path / "swap") if f is None else f for f in flags]
     code = cli.main(["train", "--nproc", "1", "--model", "tiny", "--steps", "2", "--micro-batch", "2",

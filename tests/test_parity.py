@@ -2,7 +2,6 @@
 running the same torch optimizer on the whole global batch (fp32)."""
 import pytest
 import torch
-
 from parity_model import reference, train_engine
 
 STEPS = 4

@@ -2,9 +2,8 @@
 PyTorch at stages 0-3, with gradient accumulation the loop does itself."""
 from __future__ import annotations
 
-import pytest
-
 import plain_tasks as pt
+import pytest
 from parity_model import reference
 from test_parity import assert_matches
 

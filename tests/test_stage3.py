@@ -1,10 +1,10 @@
 """Stage 3 specifics: how units are chosen, and GatheredParameters."""
 import pytest
 import torch
-
 from stage3_tasks import modify_with_gathered_parameters
-from zerodp.examples.gpt import build_gpt
+
 from zerodp.core.gather import plan_units
+from zerodp.examples.gpt import build_gpt
 
 
 def test_units_skip_containers_and_keep_tied_weights_at_the_root():
@@ -16,7 +16,7 @@ def test_units_skip_containers_and_keep_tied_weights_at_the_root():
     assert all(owner[id(p)] in range(len(units)) for p in model.parameters())
     assert owner[id(model.wte.weight)] == 0                 # tied with lm_head: stays at the root
     # every unit's parameters sum to at least the threshold
-    for u, (_, mod) in enumerate(units[1:], start=1):
+    for u, _ in enumerate(units[1:], start=1):
         assert sum(p.numel() for p in model.parameters() if owner[id(p)] == u) >= 10_000
 
 

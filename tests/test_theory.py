@@ -5,7 +5,6 @@ stage 1 shards the moments, stage 2 the gradients as well. Communication per ste
 as ring bytes sent per rank: 2 x 4 bytes x Psi x (N-1)/N at every stage 0-2.
 """
 import pytest
-
 from theory_tasks import measure
 
 WIDTHS = [16, 16, 16, 16]          # three 16x16 weights: Psi = 768, divisible by 4 x 4 elements

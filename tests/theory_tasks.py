@@ -18,7 +18,7 @@ def measure(group, stage: int, widths: list[int], gas: int = 1, steps: int = 2,
             bucket: int = 500_000_000, precision: str = "fp32") -> dict:
     """Train a bias-free MLP with AdamW (``precision``: fp32, bf16 or fp16); return the
     engine's ledger and byte counts."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    rank = dist.get_rank(group)
     model = build_known_model(widths)
     cfg = {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": gas,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "steps_per_print": 10**9,

@@ -24,17 +24,17 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ._version import __version__ as __version__
 from . import _moved, accelerator, checkpointing, comm, ops, unsupported, utils, zero  # noqa: F401 (DeepSpeed's modules)
-from .core import teardown
+from ._version import __version__ as __version__
 from .checkpoint import CheckpointError
 from .comm import init_distributed
 from .config import PRESETS, Config, ConfigError, load_config, resolve_batch_sizes
+from .core import teardown
 from .core.data import DataLoader
 from .core.engine import ZeroEngine
+from .core.param_api import GatheredParameters, register_external_parameter
 from .tools.estimate import estimate
 from .tools.monitor import monitor_from_config
-from .core.param_api import GatheredParameters, register_external_parameter
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "CheckpointError", "GatheredParameters",
            "register_external_parameter", "ZeroEngine", "DeepSpeedEngine", "Config", "ConfigError",

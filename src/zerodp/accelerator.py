@@ -9,8 +9,7 @@ import os
 
 import torch
 
-from .core.device import (CopiesDone, backend_for, default_device, host_empty, init_distributed,  # noqa: F401
-                          local_rank, synchronize)
+from .core.device import CopiesDone, backend_for, default_device, host_empty, init_distributed, local_rank, synchronize  # noqa: F401
 
 
 class Accelerator:

@@ -7,11 +7,10 @@ so it needs no download.
 import argparse
 import json
 
+import deepspeed
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-import deepspeed
 from deepspeed.accelerator import get_accelerator
 
 
@@ -73,7 +72,7 @@ def main():
     losses = []
     for epoch in range(args.epochs):
         running_loss = 0.0
-        for i, data in enumerate(trainloader):
+        for i, data in enumerate(trainloader):  # noqa: B007 - as in the original script
             inputs, labels = data[0].to(local_device), data[1].to(local_device)
             if target_dtype is not None:
                 inputs = inputs.to(target_dtype)

@@ -7,11 +7,10 @@ writes what it saw to ``--out`` as JSON.
 import argparse
 import json
 
+import deepspeed
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-import deepspeed
 
 
 def add_argument():

@@ -8,9 +8,8 @@ import argparse
 import json
 import os
 
-import torch
-
 import deepspeed
+import torch
 from transformers import AutoModelForCausalLM
 
 

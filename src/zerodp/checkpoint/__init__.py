@@ -32,8 +32,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..core.view import CheckpointView
-from .consolidate import (consolidate, get_fp32_state_dict_from_zero_checkpoint,
-                          load_state_dict_from_zero_checkpoint)
+from .consolidate import consolidate, get_fp32_state_dict_from_zero_checkpoint, load_state_dict_from_zero_checkpoint
 from .coord import Coordinator
 from .load import list_tags, load_into_engine, open_source, resolve_tag_dir
 from .source import CheckpointError, Source

@@ -32,8 +32,16 @@ from typing import Any, Optional, Union
 
 import torch
 
-from .deepspeed_files import (MODEL_FILE, OPTIM_FILE, STAGE3_MODEL_FILE, _OPTIM_RE, _STAGE3_MODEL_RE,
-                              _DeepSpeedFiles, _files, is_deepspeed_checkpoint)
+from .deepspeed_files import (
+    _OPTIM_RE,
+    _STAGE3_MODEL_RE,
+    MODEL_FILE,
+    OPTIM_FILE,
+    STAGE3_MODEL_FILE,
+    _DeepSpeedFiles,
+    _files,
+    is_deepspeed_checkpoint,
+)
 from .deepspeed_layout import _DeepSpeedLayout, _Piece
 from .pickles import load_pickle
 from .source import VALUE, CheckpointError, EngineState, OptimizerInfo, ParamInfo, Read, Source

@@ -143,7 +143,8 @@ class RankPlan:
                                     _swapped_in(g, lambda: [best[a:b]]))
             for key in part.keys:
                 self._add_parts(f"g{g.index}.state.{key}", part.state_dtypes[key], hi - lo,
-                                lambda part=part, key=key: _swapped_in(part.group, lambda: self._state_parts(part, key)))
+                                lambda part=part, key=key: _swapped_in(part.group,
+                                                                       lambda: self._state_parts(part, key)))
             self.json["groups"][str(g.index)] = {
                 "keys": part.keys,
                 "pieces": [None if st is None else {k: _scalar_json(v) for k, v in st.items()
@@ -152,7 +153,7 @@ class RankPlan:
         self._add_unsharded()
 
     def _collect_keys(self, part: _Part) -> None:
-        for sp, st in zip(part.pieces, part.states):
+        for _piece, st in zip(part.pieces, part.states):
             if st is None:
                 continue
             for k, v in st.items():

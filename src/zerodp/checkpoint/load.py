@@ -273,8 +273,9 @@ def _check_optimizer(view: CheckpointView, src: Source) -> None:
         raise CheckpointError(f"{src.describe()} holds no optimizer state; pass load_optimizer_states=False")
     mine, theirs = type(view.optimizer).__name__, src.optimizer.type
     if _family(mine) != _family(theirs):
+        keys = src.optimizer.elementwise_keys + src.optimizer.scalar_keys
         raise CheckpointError(f"{src.describe()} holds the state of a {theirs} optimizer "
-                              f"(state: {', '.join(src.optimizer.elementwise_keys + src.optimizer.scalar_keys) or 'none'}); "
+                              f"(state: {', '.join(keys) or 'none'}); "
                               f"this run's optimizer is {mine}. Use the same optimizer type, or pass "
                               "load_optimizer_states=False to load the weights only")
     n_mine, n_theirs = len(view.optimizer.param_groups), len(src.optimizer.param_groups)

@@ -126,7 +126,7 @@ class Source(abc.ABC):
     def read_buffers(self) -> dict[str, torch.Tensor]:
         """The model's persistent buffers (batch-norm statistics ...), full, by name."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: a source with no open files keeps this
         """Release open files."""
 
     def __enter__(self) -> "Source":

@@ -122,7 +122,8 @@ def restore_rng(state: dict, tensors: TensorLookup, prefix: str = "rng.") -> Non
         torch.set_rng_state(tensors(prefix + "torch"))
         n = int(state.get("cuda_devices", 0))
         if n and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all([tensors(f"{prefix}cuda{i}") for i in range(min(n, torch.cuda.device_count()))])
+            count = min(n, torch.cuda.device_count())
+            torch.cuda.set_rng_state_all([tensors(f"{prefix}cuda{i}") for i in range(count)])
         if "numpy" in state and "numpy" in sys.modules:
             import numpy as np
             s = state["numpy"]

@@ -10,12 +10,12 @@ import warnings
 import torch
 from torch import nn
 
-from .collectives import Comm
 from ..config import Config, ConfigError
-from .gather import external_users
-from .flat import FlatGroup
 from ..optim import build_scheduler, check_elementwise
 from ..optim.build import optimizer_from_config
+from .collectives import Comm
+from .flat import FlatGroup
+from .gather import external_users
 
 
 def as_tensor_list(params) -> list:

@@ -25,8 +25,7 @@ import torch
 from torch import nn
 
 from .flat import FlatGroup
-from .param_api import (GatheredParameters, external_users, register_external_parameter,  # noqa: F401
-                        register_params)
+from .param_api import GatheredParameters, external_users, register_external_parameter, register_params  # noqa: F401
 
 if TYPE_CHECKING:
     from .collectives import Comm
@@ -237,10 +236,11 @@ def plan_units(model: nn.Module, min_unit_params: int, unit_classes: tuple[type,
 
     With ``unit_classes``, every module of those classes is a unit (like FSDP's wrap
     policy), whatever its size. A module marked a leaf (``zerodp.utils.set_z3_leaf_modules``)
-    is a unit with its whole subtree, and nothing inside it is. Otherwise, walking children before parents, a module becomes
-    a unit when the parameters of its subtree not yet claimed by a unit below it number at
-    least ``min_unit_params`` elements. Containers that are never called (``ModuleList``, ``ModuleDict``) are never
-    units. Parameters registered in more than one module stay with the root.
+    is a unit with its whole subtree, and nothing inside it is. Otherwise, walking children
+    before parents, a module becomes a unit when the parameters of its subtree not yet claimed
+    by a unit below it number at least ``min_unit_params`` elements. Containers that are never
+    called (``ModuleList``, ``ModuleDict``) are never units. Parameters registered in more
+    than one module stay with the root.
     """
     holders: dict[int, int] = {}
     for _, mod in model.named_modules(remove_duplicate=False):

@@ -91,7 +91,8 @@ class StreamedModel(nn.Module):
         for pid, meta in self._meta.items():  # every weight is there, in its shape: fail now, not mid-forward
             shape = self.weights.shape(self._names[pid])
             if shape != tuple(meta.shape):
-                raise ValueError(f"{self._names[pid][0]}: the weights hold shape {shape}, the model {tuple(meta.shape)}")
+                raise ValueError(f"{self._names[pid][0]}: the weights hold shape {shape}, "
+                                 f"the model {tuple(meta.shape)}")
         for name, buf in model.named_buffers():
             if buf.is_meta:
                 raise ValueError(f"buffer {name} is on the meta device; build buffers with real values "

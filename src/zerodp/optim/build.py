@@ -17,7 +17,7 @@ import re
 import types
 import typing
 import warnings
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

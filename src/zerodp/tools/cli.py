@@ -63,8 +63,8 @@ def _worker_env(nproc: int) -> dict[str, str]:
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from . import train
     from ..config import ConfigError
+    from . import train
 
     if os.environ.get(train.WORKER_ENV) == "1":  # already one of the launched ranks
         return train.main(train.to_argv(args))

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from .estimate import FP32, EstimateError, ModelInfo, estimate_buffers
 from ..core.flat import ALIGN_BYTES
+from .estimate import FP32, EstimateError, ModelInfo, estimate_buffers
 
 if TYPE_CHECKING:
     from ..core.engine import ZeroEngine

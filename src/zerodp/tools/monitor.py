@@ -40,8 +40,8 @@ from typing import Any, Optional
 
 import torch
 
-from ..core.device import synchronize
 from ..config import ConfigError
+from ..core.device import synchronize
 
 __all__ = ["monitor_from_config", "TrainingMonitor", "require_tensorboard", "CSV_NAME", "INFO_NAME",
            "TENSORBOARD_MISSING"]

@@ -309,7 +309,7 @@ def plot_runs(paths: Sequence[str | Path], out_dir: str | Path,
     keep = [i for i, r in enumerate(runs) if r.rows]
     if not keep:
         raise PlotError("no optimizer step recorded in " + ", ".join(str(r.csv_path) for r in runs))
-    for i, r in enumerate(runs):
+    for r in runs:
         if not r.rows:
             print(f"zerodp plot: {r.csv_path} has no steps yet; left out", file=sys.stderr)
     runs = [runs[i] for i in keep]

@@ -48,10 +48,25 @@ from ..core.collectives import all_gather_numbers
 from ..core.device import init_distributed, synchronize
 from ..examples.gpt import Block, ByteCorpus, build_gpt
 from .memory_check import compare_with_engine
-from .train_options import (DEFAULT_EVAL_EVERY, DEFAULT_GRAD_ACCUM, DEFAULT_LR, DEFAULT_MAX_BYTES,
-                            DEFAULT_MICRO_BATCH, DEFAULT_MODEL, DEFAULT_OUT, DEFAULT_PRESET,
-                            DEFAULT_SAVE_INTERVAL, DEFAULT_STEPS, MODELS, UsageError, add_arguments,
-                            build_config, check_args, check_config, to_argv)
+from .train_options import (
+    DEFAULT_EVAL_EVERY,
+    DEFAULT_GRAD_ACCUM,
+    DEFAULT_LR,
+    DEFAULT_MAX_BYTES,
+    DEFAULT_MICRO_BATCH,
+    DEFAULT_MODEL,
+    DEFAULT_OUT,
+    DEFAULT_PRESET,
+    DEFAULT_SAVE_INTERVAL,
+    DEFAULT_STEPS,
+    MODELS,
+    UsageError,
+    add_arguments,
+    build_config,
+    check_args,
+    check_config,
+    to_argv,
+)
 
 __all__ = ["add_arguments", "to_argv", "check_args", "build_config", "check_config", "format_table",
            "run", "main", "UsageError", "WORKER_ENV"]

@@ -11,8 +11,6 @@ import warnings
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
-
 from ..config import PRESETS, Config, ConfigError, load_config, resolve_batch_sizes
 from ..core.stages import policy_for
 from ..examples.gpt import GPT_PRESETS, ByteCorpus

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import sys
 
-from ..checkpoint.consolidate import (consolidate, get_fp32_state_dict_from_zero_checkpoint,
-                                      load_state_dict_from_zero_checkpoint)
+from ..checkpoint.consolidate import (
+    consolidate,
+    get_fp32_state_dict_from_zero_checkpoint,
+    load_state_dict_from_zero_checkpoint,
+)
 
 __all__ = ["get_fp32_state_dict_from_zero_checkpoint", "load_state_dict_from_zero_checkpoint",
            "convert_zero_checkpoint_to_fp32_state_dict"]
