@@ -54,9 +54,6 @@ _ENGINE_KEYS = frozenset({
     "checkpoint_parallel_dimensions", "universal_checkpoint_info", "num_experts",
 })
 
-#: Keys of DeepSpeed's optimizer blocks that are not torch hyperparameters.
-_DS_ONLY_OPTIMIZER_KEYS = ("torch_adam", "adam_w_mode", "fp32_optimizer_states", "set_grad_none")
-
 
 def _json(value: Any) -> Any:
     if isinstance(value, (tuple, list)):

@@ -180,7 +180,7 @@ def _run_plot(args: argparse.Namespace) -> int:
 # -- zerodp estimate ------------------------------------------------------------------------
 
 def _estimate_add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``zerodp estimate``; values are checked by ``zerodp.estimator`` so that bad
+    """Options of ``zerodp estimate``; values are checked by ``zerodp.tools.estimate`` so that bad
     input gets a one-line message and exit code 2."""
     from .estimate import ACCOUNTINGS, OPTIMIZERS, PRECISIONS
     add = parser.add_argument

@@ -1,4 +1,4 @@
-"""Estimated vs measured memory: the ZeRO accounting (``estimator.py``) beside a live
+"""Estimated vs measured memory: the ZeRO accounting (``tools/estimate``) beside a live
 engine's ledger (``engine.memory_breakdown()``), with the padding each may differ by.
 
 ``compare_with_engine(engine)`` returns one :class:`Comparison` per category and

@@ -33,7 +33,7 @@ class TransformerShape:
 @dataclass(frozen=True)
 class ModelInfo:
     """A model as the estimator sees it. Unit sizes are stage 3's, planned by
-    ``zerodp.fetch.plan_units`` with the default ``stage3_param_persistence_threshold``."""
+    ``zerodp.core.gather.plan_units`` with the default ``stage3_param_persistence_threshold``."""
 
     description: str
     source: str  # "count", "factory", "transformers" or "module"
