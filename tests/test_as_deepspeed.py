@@ -83,6 +83,12 @@ def test_on_deepspeed_is_zerodp_from_start_up(no_deepspeed_python):
         from zerodp.ops.adam import DeepSpeedCPUAdam as ours
         assert deepspeed.initialize is zerodp.initialize and deepspeed.zero.Init is zerodp.zero.Init
         assert dist is zerodp.comm and DeepSpeedCPUAdam is ours
+        from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
+        from deepspeed.runtime.lr_schedules import WarmupLR
+        from deepspeed.utils import logger
+        from deepspeed import DeepSpeedEngine
+        assert DeepSpeedEngine is zerodp.ZeroEngine and WarmupLR is zerodp.optim.WarmupLR
+        assert logger.name == "zerodp" and callable(clone_tensors_for_torch_save)
         assert deepspeed.__version__ == version, (deepspeed.__version__, version)
         assert importlib.metadata.packages_distributions()["deepspeed"] == ["deepspeed"]
         from transformers.integrations.deepspeed import is_deepspeed_available as hf

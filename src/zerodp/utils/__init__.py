@@ -1,6 +1,7 @@
 """DeepSpeed's ``deepspeed.utils`` names that zerodp provides (thin faces over zerodp's own code)."""
 from __future__ import annotations
 
+import logging
 from typing import Iterable
 
 from torch import nn
@@ -8,7 +9,10 @@ from torch import nn
 from ..checkpoint.consolidate import get_fp32_state_dict_from_zero_checkpoint, load_state_dict_from_zero_checkpoint
 from ..core.gather import LEAF_ATTR, is_leaf
 
-__all__ = ["get_fp32_state_dict_from_zero_checkpoint", "load_state_dict_from_zero_checkpoint",
+#: DeepSpeed's ``deepspeed.utils.logger``: zerodp's own logger
+logger = logging.getLogger("zerodp")
+
+__all__ = ["logger", "get_fp32_state_dict_from_zero_checkpoint", "load_state_dict_from_zero_checkpoint",
            "set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_modules", "z3_leaf_module"]
 
 

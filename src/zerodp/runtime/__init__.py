@@ -1,0 +1,2 @@
+"""DeepSpeed's ``deepspeed.runtime``: the modules scripts and the Hugging Face integration import
+names from (``lr_schedules``, ``engine``). Faces over zerodp's own code; no logic here."""
