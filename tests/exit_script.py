@@ -5,7 +5,8 @@ r"""A finished job that ends without any teardown of its own, as scripts written
 Every rank trains three steps at stage 3 and returns from the script. The process must exit 0:
 zerodp tears down what it started (engines, the process group it created) at interpreter exit.
 An exit handler registered before zerodp's (so run after it) prints whether the default group
-is still alive then: ``at exit: group alive False``.
+is still alive then, and how many gloo threads are left to outlive it into finalization (where
+they abort the process): ``at exit: group alive False, gloo threads 0``.
 
 MODE:
   ``plain`` (default): zerodp.initialize starts the process group from torchrun's environment.
@@ -31,9 +32,22 @@ import torch.nn.functional as F
 import zerodp
 
 
+def gloo_threads() -> int:
+    """The threads of this process that belong to a gloo process group (Linux)."""
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return sum("gloo" in n for n in names)
+
+
 def main() -> None:
     mode = sys.argv[1] if len(sys.argv) > 1 else "plain"
-    atexit.register(lambda: print(f"at exit: group alive {dist.is_initialized()}", flush=True))
+    atexit.register(lambda: print(f"at exit: group alive {dist.is_initialized()}, gloo threads {gloo_threads()}",
+                                  flush=True))
     if mode == "user_group":
         dist.init_process_group("gloo")
     torch.manual_seed(0)

@@ -23,6 +23,15 @@ script, as DeepSpeed and torch leave it: zerodp does not destroy what it did not
 the script may still need it in an exit handler of its own. Such a script should end with
 ``torch.distributed.destroy_process_group()``.
 
+A group destroyed by ``destroy_process_group()`` still lives on while any Python object refers
+to it, and so do its gloo threads. One such reference is torch's own: ``torch.distributed.nn``
+binds its functions' ``group=`` default to the default group object when it is imported, and
+``torch._dynamo`` (hence the first optimizer built) imports it. Imported after the group was
+started, it keeps that group, destroyed or not, and its threads alive into finalization, where
+they abort the process as above (a script that destroys its own group: 3 of 55 runs). So the
+handler then sets those defaults back to ``None`` (the default group, what they mean) and
+collects, so that a destroyed group is freed, and its threads joined, before finalization.
+
 A process forked from one that registered the handler (and so inheriting it) does nothing at
 its exit: the engines and the group are its parent's.
 
@@ -34,8 +43,10 @@ failed. Ranks therefore leave independently, each as soon as it is done.
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import os
+import sys
 import threading
 from typing import Optional
 
@@ -95,3 +106,24 @@ def at_exit() -> None:
         except Exception as e:  # noqa: BLE001 - the process is ending either way
             logger.warning("at exit: destroying the process group failed: %s: %s", type(e).__name__, e)
     _our_group = None
+    unpin_group_defaults()
+    gc.collect()  # a destroyed group no longer referred to is freed now, its threads joined
+
+
+def unpin_group_defaults() -> int:
+    """Set every ``group=`` default of ``torch.distributed.nn.functional`` that holds a process
+    group object back to ``None`` (the default group, the same meaning) and return how many
+    were reset. Such a default, bound when the module was imported after a group was started,
+    keeps that group alive after it is destroyed (see the module docstring)."""
+    mod = sys.modules.get("torch.distributed.nn.functional")
+    if mod is None or not dist.is_available():
+        return 0
+    reset = 0
+    for fn in list(vars(mod).values()):
+        defaults = getattr(fn, "__defaults__", None)
+        if getattr(fn, "__module__", None) != mod.__name__ or not defaults:
+            continue
+        if any(isinstance(d, dist.ProcessGroup) for d in defaults):
+            fn.__defaults__ = tuple(None if isinstance(d, dist.ProcessGroup) else d for d in defaults)
+            reset += 1
+    return reset
