@@ -24,6 +24,7 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.metadata
+import importlib.util
 import os
 import sys
 import types
@@ -160,7 +161,10 @@ class _TopLevel(types.ModuleType):
         try:
             return getattr(self._zerodp, name)
         except AttributeError:
-            raise AttributeError(f"module 'deepspeed' (zerodp under {ENV}=1) has no attribute {name!r}") from None
+            pass
+        if importlib.util.find_spec(f"zerodp.{name}") is not None:  # a submodule not imported yet
+            return importlib.import_module(f"deepspeed.{name}")
+        raise AttributeError(f"module 'deepspeed' (zerodp under {ENV}=1) has no attribute {name!r}")
 
     def __dir__(self):
         return sorted(set(super().__dir__()) | set(dir(self._zerodp)))

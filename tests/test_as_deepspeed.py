@@ -3,42 +3,20 @@ zerodp, read at interpreter start-up (``zerodp-as-deepspeed.pth``); off, nothing
 real deepspeed installed, the switch refuses.
 
 The test environment installs the real DeepSpeed (the checkpoint tests read its files), so the
-cases that need an environment without it run in a view of this one: a virtual environment
-whose site-packages links every entry of ours except DeepSpeed's.
+cases that need an environment without it run in a view of this one (``no_deepspeed_python`` in
+``conftest.py``).
 """
 from __future__ import annotations
 
 import os
 import subprocess
-import sys
-import sysconfig
 import textwrap
-from pathlib import Path
 
 import pytest
 
 import zerodp_as_deepspeed as switch
 
 ENV = "ZERODP_AS_DEEPSPEED"
-
-
-@pytest.fixture(scope="module")
-def no_deepspeed_python(tmp_path_factory) -> str:
-    """A Python whose site-packages is ours without DeepSpeed (symbolic links, made once)."""
-    root = tmp_path_factory.mktemp("no_deepspeed")
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root / "venv")], check=True)
-    python = root / "venv" / "bin" / "python"
-    theirs = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                                 check=True, capture_output=True, text=True).stdout.strip())
-    ours = Path(sysconfig.get_paths()["purelib"])
-    linked = 0
-    for entry in ours.iterdir():
-        if entry.name.lower().startswith("deepspeed") or (theirs / entry.name).exists():
-            continue
-        (theirs / entry.name).symlink_to(entry)
-        linked += 1
-    assert linked > 10 and not any(p.name.lower().startswith("deepspeed") for p in theirs.iterdir())
-    return str(python)
 
 
 def run(python: str, code: str, switch_value: str | None = "1", extra_path: str | None = None,

@@ -156,11 +156,35 @@ def test_zero_init_builds_without_storage():
     assert not any(p.is_meta for p in real.parameters())
     # outside the context, construction is normal again
     assert not any(p.is_meta for p in Block().parameters())
-    # a value put in place of a parameter without data (from_pretrained's loading) is kept
+    # a value put in place of a parameter without data (one built on the meta device) is kept
     with zerodp.zero.Init():
-        b = Block()
+        with torch.device("meta"):
+            b = Block()
         b.fc.weight = nn.Parameter(torch.full((4, 4), 2.0))
     assert not b.fc.weight.is_meta and b.fc.weight.sum().item() == 32 and b.fc.bias.is_meta
+
+
+def test_zero_init_keeps_values_readable_and_writable_whole():
+    """Each parameter built in Init keeps (here, a group of one) its values, which
+    GatheredParameters shows whole and, with modifier_rank, takes back."""
+    torch.manual_seed(0)
+    want = Block()
+    torch.manual_seed(0)
+    with zerodp.zero.Init():
+        b = Block()
+    assert b.fc.weight.is_meta and b.fc.weight.ds_shape == (4, 4) and b.fc.weight.ds_numel == 16
+    with zerodp.zero.GatheredParameters([b.fc.weight, None, b.fc.bias]):
+        assert torch.equal(b.fc.weight, want.fc.weight) and torch.equal(b.fc.bias, want.fc.bias)
+        with torch.no_grad():
+            b.fc.weight.fill_(5.0)  # dropped: no modifier_rank
+    with zerodp.zero.GatheredParameters(p for p in b.parameters()):
+        assert torch.equal(b.fc.weight, want.fc.weight)
+    with zerodp.zero.GatheredParameters(b.fc.weight, modifier_rank=0):
+        with torch.no_grad():
+            b.fc.weight.fill_(3.0)
+    assert b.fc.weight.is_meta
+    with zerodp.zero.GatheredParameters(b.fc.weight):
+        assert b.fc.weight.sum().item() == 48
     assert zerodp.zero.GatheredParameters is zerodp.GatheredParameters
     assert callable(zerodp.zero.register_external_parameter)
 

@@ -24,7 +24,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from . import _moved, accelerator, checkpointing, comm, ops, unsupported, utils, zero  # noqa: F401 (DeepSpeed's modules)
+from . import _moved, accelerator, checkpointing, comm, ops, runtime, unsupported, utils, zero  # noqa: F401 (DeepSpeed's modules)
 from ._version import __version__ as __version__
 from .checkpoint import CheckpointError
 from .comm import init_distributed

@@ -197,11 +197,11 @@ def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir,
     return model
 
 
-def save_16bit_model(view: CheckpointView, save_dir, save_filename: str = "pytorch_model.bin",
-                     exclude_frozen_parameters: bool = False) -> bool:
-    """Gather the full weights in the compute dtype and write them from rank 0 (see
-    ``ZeroEngine.save_16bit_model``)."""
-    coord = Coordinator(view.comm)
+def consolidated_16bit_state_dict(view: CheckpointView, exclude_frozen_parameters: bool = False
+                                  ) -> "OrderedDict[str, torch.Tensor]":
+    """The full model's weights in the compute dtype (gathered group by group at stage 3) and
+    persistent buffers, on the CPU, in the module's state-dict order, on rank 0; an empty dict
+    on the other ranks. Every rank must call it."""
     state: "OrderedDict[str, torch.Tensor]" = OrderedDict()
     aliases: dict[int, list[str]] = {}
     for name, p in view.module.named_parameters(remove_duplicate=False):
@@ -219,17 +219,27 @@ def save_16bit_model(view: CheckpointView, save_dir, save_filename: str = "pytor
                     state[name] = value
         if gathered_here:
             g.release()
+    if view.dp_rank != 0:
+        return state
+    managed = {id(p) for g in view.flat_groups for p in g.params}
+    for name, p in view.module.named_parameters():
+        if id(p) not in managed and not (exclude_frozen_parameters and not p.requires_grad):
+            state[name] = p.detach().to("cpu", copy=True)
+    for name, b in persistent_buffers(view.module).items():
+        state[name] = b.detach().to("cpu", copy=True)
+    order = [k for k in view.module.state_dict().keys() if k in state]
+    return OrderedDict((k, state[k]) for k in order + [k for k in state if k not in order])
+
+
+def save_16bit_model(view: CheckpointView, save_dir, save_filename: str = "pytorch_model.bin",
+                     exclude_frozen_parameters: bool = False) -> bool:
+    """Gather the full weights in the compute dtype and write them from rank 0 (see
+    ``ZeroEngine.save_16bit_model``)."""
+    coord = Coordinator(view.comm)
+    state = consolidated_16bit_state_dict(view, exclude_frozen_parameters)
     err = None
     if view.dp_rank == 0:
         try:
-            managed = {id(p) for g in view.flat_groups for p in g.params}
-            for name, p in view.module.named_parameters():
-                if id(p) not in managed and not (exclude_frozen_parameters and not p.requires_grad):
-                    state[name] = p.detach().to("cpu", copy=True)
-            for name, b in persistent_buffers(view.module).items():
-                state[name] = b.detach().to("cpu", copy=True)
-            order = [k for k in view.module.state_dict().keys() if k in state]
-            state = OrderedDict((k, state[k]) for k in order + [k for k in state if k not in order])
             path = Path(save_dir)
             path.mkdir(parents=True, exist_ok=True)
             target = path / save_filename

@@ -56,6 +56,14 @@ _NonNegative = _int_type(minimum=0)
 _BatchValue = _int_type(minimum=1, auto=True)
 
 
+def _never_if_infinite(v: Any) -> Any:
+    """``steps_per_print``: infinity (what Accelerate writes when no value is given) means never."""
+    return None if isinstance(v, float) and v == float("inf") else v
+
+
+_Period = Annotated[Union[_Positive, None], BeforeValidator(_never_if_infinite)]
+
+
 class _Section(BaseModel):
     """Base for config blocks: unknown keys are kept (and warned about by :class:`Config`)."""
 
@@ -174,8 +182,9 @@ class ZeroConfig(_Section):
                                    "are gathered, within stage3_max_live_parameters; 0 releases every unit after each "
                                    "use.")
     stage3_gather_16bit_weights_on_model_save: bool = Field(
-        False, description="Accepted for compatibility: save_16bit_model always gathers the full weights at stage 3 "
-                           "(DeepSpeed writes nothing there unless this is true).")
+        False, description="What engine.zero_gather_16bit_weights_on_model_save() returns: whether Accelerate and the "
+                           "Trainer's save_model may gather the full weights at stage 3 (without it they save a "
+                           "checkpoint instead). save_16bit_model gathers them either way.")
     offload_optimizer: OffloadOptimizerConfig | None = Field(
         None, description="Optimizer offload (stages 1-3): see docs/offload.md.")
     offload_param: OffloadParamConfig | None = Field(
@@ -335,7 +344,8 @@ class Config(_Section):
         None, description='Micro-batches accumulated per optimizer step (integer, "auto" or null).')
     gradient_clipping: float = Field(0.0, ge=0.0, allow_inf_nan=False,
                                      description="Max global gradient L2 norm; 0 disables clipping.")
-    steps_per_print: _Positive = Field(10, description="Log progress every this many optimizer steps.")
+    steps_per_print: _Period = Field(10, description="Log progress every this many optimizer steps; infinity "
+                                                     "(or null) never.")
     wall_clock_breakdown: bool = Field(False, description="Log the mean forward, backward and step times every "
                                                           "steps_per_print steps (rank 0).")
     seed: int | None = Field(None, description="Stored for compatibility; zerodp does not seed RNGs (every rank starts "
@@ -386,6 +396,22 @@ class Config(_Section):
     def compute_dtype(self) -> str:
         """``"bf16"``, ``"fp16"`` or ``"fp32"``: the dtype of parameters in forward and backward."""
         return "bf16" if self.bf16.enabled else "fp16" if self.fp16.enabled else "fp32"
+
+    # DeepSpeed's ``engine.config`` is the config dict, read by key (``transformers`` reads
+    # ``engine.config.get("zero_optimization", {}).get("stage")``): these read the validated
+    # config as a dict, defaults filled in.
+    def as_dict(self) -> dict[str, Any]:
+        """The config as a plain dict of DeepSpeed key names (defaults included)."""
+        return self.model_dump(mode="python")
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.as_dict().get(key, default)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.as_dict()[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.as_dict()
 
     @model_validator(mode="after")
     def _warn_unknown(self) -> "Config":

@@ -64,10 +64,12 @@ from .gather import (
     external_users,
     initialize_meta_units,
     install_external_hooks,
+    install_root_hooks,
     install_unit_hooks,
     plan_units,
     register_params,
 )
+from .init_shards import init_shard
 from .plain_loop import PlainLoop
 from .precision import LossScaler, PrecisionPolicy
 from .reduce import GradReducer
@@ -186,6 +188,7 @@ class ZeroEngine(EngineAPI, nn.Module):
                               "(its units are gathered and released by hooks around their forward, which "
                               "a compiled graph does not call); use stage 0-2 with the compiled model, or "
                               "stage 3 without compiling")
+        built_in_init = {id(p): p for p in self.base_module.parameters() if init_shard(p) is not None}
         groups = user_param_groups(self.base_module, model_parameters, optimizer)
         unit_plan, self._unit_of = ([("", self.base_module)], {}) if not self.policy.shard_parameters \
             else plan_units(self.base_module, self.zero_config.stage3_param_persistence_threshold,
@@ -204,7 +207,9 @@ class ZeroEngine(EngineAPI, nn.Module):
         if self.policy.shard_parameters:
             if meta and param_init_fn is None and callable(getattr(model, "_init_weights", None)):
                 param_init_fn = model._init_weights  # a transformers model's own initialization
-            self._setup_units(unit_plan, meta, param_init_fn)
+            loaded = {id(g.replaced[i]): p for g in self.flat_groups for i, p in built_in_init.items()
+                      if i in g.replaced}
+            self._setup_units(unit_plan, meta, param_init_fn, loaded)
         register_params(self.flat_groups, self.comm, sharded=self.policy.shard_parameters)
         for g in self.trainable:
             g.allocate_gradients(keep_full=self.policy.full_gradient_buffer,
@@ -215,18 +220,12 @@ class ZeroEngine(EngineAPI, nn.Module):
 
         # offload: fp32 masters and optimizer states on the host or disk, the step there (offload/)
         self.offload: Optional[OptimizerOffload] = None
-        if self.zero_config.optimizer_offload != "none":
-            self.offload = OptimizerOffload(self.zero_config, config.aio, self.trainable, self.device,
-                                            self.dp_rank)
-        pieces_by_group = [[] for _ in groups]
-        for g in self.trainable:  # 16-bit parameters: the optimizer updates fp32 masters
-            if self.offload is not None:
-                pieces = self.offload.make_pieces(g)
-            else:
-                pieces = g.make_piece_params(g.make_master() if self.precision.keeps_master(g.dtype)
-                                             else g.shard)
-            pieces_by_group[g.param_group].extend(pieces)
-        self.optimizer = build_optimizer(config, groups, pieces_by_group, optimizer)
+        self.optimizer: Optional[torch.optim.Optimizer] = None  # none: forward and evaluation only
+        if optimizer is not None or config.optimizer is not None:
+            self._build_optimizer(groups, optimizer)
+        elif config.scheduler is not None or lr_scheduler is not None:
+            raise ConfigError("scheduler: a learning-rate scheduler needs an optimizer; add an 'optimizer' "
+                              "block to the config or pass optimizer=")
         self._plain = PlainLoop(self)  # before the scheduler, which wraps optimizer.step
         live.track(self)  # for zerodp.comm.log_summary() and the teardown at exit
         self.lr_scheduler = build_lr_scheduler(config, self.optimizer, lr_scheduler)
@@ -242,14 +241,37 @@ class ZeroEngine(EngineAPI, nn.Module):
         self.monitor = None  # the metrics writer, set by zerodp.initialize (tools/monitor.py)
         self.training_dataloader = None  # set by zerodp.initialize(training_data=...)
         self._in_engine_backward = False
+        self._boundary_override: Optional[bool] = None
         self._step_applied = False
         self._checkpointer = None
 
     # -- set-up -------------------------------------------------------------------------
 
-    def _setup_units(self, unit_plan, meta: bool, param_init_fn) -> None:
+    def _build_optimizer(self, groups: list[dict], optimizer) -> None:
+        """The optimizer over this rank's pieces: fp32 masters of 16-bit parameters, on the
+        device or offloaded (``offload/``)."""
+        if self.zero_config.optimizer_offload != "none":
+            self.offload = OptimizerOffload(self.zero_config, self.config.aio, self.trainable, self.device,
+                                            self.dp_rank)
+        pieces_by_group = [[] for _ in groups]
+        for g in self.trainable:  # 16-bit parameters: the optimizer updates fp32 masters
+            if self.offload is not None:
+                pieces = self.offload.make_pieces(g)
+            else:
+                pieces = g.make_piece_params(g.make_master() if self.precision.keeps_master(g.dtype)
+                                             else g.shard)
+            pieces_by_group[g.param_group].extend(pieces)
+        self.optimizer = build_optimizer(self.config, groups, pieces_by_group, optimizer)
+
+    def _setup_units(self, unit_plan, meta: bool, param_init_fn, loaded: dict) -> None:
         """Stage 3: keep only shards, make the units and their hooks, and give a model built
-        on the meta device its values."""
+        on the meta device its values (``loaded``: the slices of those built in ``zero.Init``,
+        by parameter id)."""
+        for p in loaded.values():
+            if init_shard(p).world != self.dp_world_size:
+                raise ValueError(f"the model was built in zero.Init over {init_shard(p).world} ranks, but the engine's "
+                                 f"data-parallel group has {self.dp_world_size}; give Init and initialize the "
+                                 "same group")
         for g in self.flat_groups:
             if not g.shards_parameters:
                 g.shard_parameters()
@@ -259,6 +281,7 @@ class ZeroEngine(EngineAPI, nn.Module):
         self.prefetcher = Prefetcher(self.units, zc.stage3_prefetch_bucket_size,
                                      zc.stage3_max_live_parameters, zc.stage3_max_reuse_distance)
         done = _unit_done_hook(self)
+        self._unit_hooks += install_root_hooks(self.base_module, self.units, self.prefetcher)
         for unit in self.units[1:]:
             self._unit_hooks += install_unit_hooks(unit, self.prefetcher, done)
         unit_of_param = {id(p): self.units[g.unit] for g in self.flat_groups for p in g.params}
@@ -272,7 +295,7 @@ class ZeroEngine(EngineAPI, nn.Module):
         park = self.param_offload.park if self.param_offload is not None else None
         if meta:
             initialize_meta_units(self.units, self.config.seed or 0, self.device, param_init_fn,
-                                  self.prefetcher, after_group=park)
+                                  self.prefetcher, after_group=park, loaded=loaded)
         if park is not None:
             for g in self.flat_groups:
                 park(g)
@@ -292,30 +315,24 @@ class ZeroEngine(EngineAPI, nn.Module):
         self._timings[name].append(time.perf_counter() - t0)
 
     def forward(self, *args, **kwargs):
+        """The model's forward on inputs cast to the compute dtype; at stage 3 the model's own
+        hooks gather its units (``gather.install_root_hooks``), so a direct call of the model
+        gathers the same way."""
         with self._timed("forward"):
-            stage3 = self.policy.shard_parameters
-            if stage3:  # the root unit stays gathered until backward ends
-                self.units[0].gather()
-                self.prefetcher.start_forward()
             args, kwargs = self.precision.cast_inputs((args, kwargs))
-            with _explain_released_parameters(stage3):
-                out = self.module(*args, **kwargs)
-            if stage3:
-                self.prefetcher.end_forward()
-                if not torch.is_grad_enabled():  # no backward follows: release prefetched units too
-                    for unit in self.units:
-                        unit.release()
-            return out
+            with _explain_released_parameters(self.policy.shard_parameters):
+                return self.module(*args, **kwargs)
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
-        """Backpropagate ``loss`` (scaled by 1/gradient_accumulation_steps, and by the loss
-        scale under fp16) and reduce gradients as the stage requires; returns ``loss``."""
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backpropagate ``loss`` (scaled by 1/gradient_accumulation_steps unless
+        ``scale_wrt_gas=False``, and by the loss scale under fp16) and reduce gradients as the
+        stage requires; returns ``loss``."""
         boundary = self.is_gradient_accumulation_boundary()
         if self.monitor is not None:
             self.monitor.on_backward(loss)
         reducing = not self._in_no_sync and (self.policy.reduce_every_micro_batch or boundary)
         self.reducer.begin(reducing)
-        scaled = loss / self._gas if self._gas > 1 else loss
+        scaled = loss / self._gas if self._gas > 1 and scale_wrt_gas else loss
         if self.loss_scaler is not None:  # in fp32, so a 16-bit loss times the scale cannot overflow
             scaled = scaled.float() * self.loss_scaler.scale
         with self._timed("backward"), _explain_released_parameters(self.policy.shard_parameters):
@@ -366,8 +383,18 @@ class ZeroEngine(EngineAPI, nn.Module):
     # -- step ---------------------------------------------------------------------------
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        """True when the next ``step()`` updates the parameters."""
+        """True when the next ``step()`` updates the parameters: as set by
+        :meth:`set_gradient_accumulation_boundary`, or else every gradient_accumulation_steps-th
+        micro-batch."""
+        if self._boundary_override is not None:
+            return self._boundary_override
         return (self.micro_steps + 1) % self._gas == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: Optional[bool]) -> None:
+        """Say whether the coming micro-batch ends an accumulation (its backward reduces the
+        gradients and ``step()`` then updates), for a loop that counts micro-batches itself
+        (Accelerate calls ``step()`` only at its boundaries); ``None`` returns to counting."""
+        self._boundary_override = None if is_boundary is None else bool(is_boundary)
 
     def step(self) -> None:
         """Count a micro-batch; at an accumulation boundary, update the parameters."""
@@ -391,6 +418,9 @@ class ZeroEngine(EngineAPI, nn.Module):
         """The update and its bookkeeping, on gradients already reduced: called by ``step()`` at
         an accumulation boundary, and by ``optimizer.step()`` in a plain loop (which sets the
         micro-step count to match); scripts call those, not this."""
+        if self.optimizer is None:
+            raise RuntimeError("this engine has no optimizer (the config has no 'optimizer' block and none "
+                               "was passed to initialize): it runs forward and evaluation, not steps")
         with self._timed("step"):
             self._apply_update()
         self.global_steps += 1
@@ -399,13 +429,14 @@ class ZeroEngine(EngineAPI, nn.Module):
         self._reduced_for_boundary = False
         if self.monitor is not None:
             self.monitor.on_step(self)
-        if self.global_steps % self.config.steps_per_print == 0 and self.comm.rank == 0:
+        report = self.config.steps_per_print is not None and self.global_steps % self.config.steps_per_print == 0
+        if report and self.comm.rank == 0:
             logger.info("step %d: lr=%s grad_norm=%.4g", self.global_steps,
                         [round(lr, 8) for lr in self.get_lr()], self._global_grad_norm)
             if self._timings:
                 logger.info("step %d: mean ms %s", self.global_steps, ", ".join(
                     f"{k} {1e3 * sum(v) / len(v):.1f}" for k, v in self._timings.items()))
-        if self.global_steps % self.config.steps_per_print == 0:
+        if report:
             self._timings.clear()
         if self.loss_scaler is not None:  # an overflow at the minimum scale, raised once its step is skipped
             self.loss_scaler.raise_deferred()

@@ -36,7 +36,7 @@ class EngineAPI:
         self._skipped_steps = value
 
     def get_lr(self) -> list[float]:
-        return [g["lr"] for g in self.optimizer.param_groups]
+        return [] if self.optimizer is None else [g["lr"] for g in self.optimizer.param_groups]
 
     def train_batch_size(self) -> int:
         return self._train_batch_size
@@ -132,6 +132,18 @@ class EngineAPI:
         otherwise ``torch.save`` of the state dict. Every rank must call it."""
         from ..checkpoint.consolidate import save_16bit_model
         return save_16bit_model(self.checkpoint_view(), save_dir, save_filename, exclude_frozen_parameters)
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """The config's ``zero_optimization.stage3_gather_16bit_weights_on_model_save``: whether a
+        model save (Accelerate's, the Trainer's ``save_model``) may gather the full weights."""
+        return bool(self.zero_config.stage3_gather_16bit_weights_on_model_save)
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
+        """The full model's state dict in the compute dtype, on rank 0 (an empty dict on the
+        others), gathered group by group (DeepSpeed's name; Accelerate calls it to save a
+        stage-3 model). Every rank must call it."""
+        from ..checkpoint.consolidate import consolidated_16bit_state_dict
+        return consolidated_16bit_state_dict(self.checkpoint_view(), exclude_frozen_parameters)
 
     # -- DeepSpeed's engine queries --------------------------------------------------------
 

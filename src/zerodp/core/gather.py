@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from .flat import FlatGroup
+from .init_shards import adopted, full_values, init_shard
 from .param_api import GatheredParameters, external_users, register_external_parameter, register_params  # noqa: F401
 
 if TYPE_CHECKING:
@@ -320,6 +321,40 @@ def _map_tensors(obj: Any, fn) -> Any:
     return obj
 
 
+def install_root_hooks(model: nn.Module, units: list[Unit], prefetcher: Prefetcher) -> list:
+    """Hooks on the model itself, whose parameters outside every unit form the root unit: before
+    a call of the model, gather the root unit and start the forward's prefetch plan; after it,
+    end the plan, and when no backward follows (no grad: evaluation, ``generate``) release every
+    unit. The model is called this way whether through the engine or directly (``trainer.evaluate()``,
+    ``model.generate(...)``, a reference model used as a plain module). The root unit otherwise
+    stays gathered until backward ends. Calls of the model nested in its own forward are one call."""
+    depth = 0
+
+    def pre_forward(module, args):
+        nonlocal depth
+        if _inside_backward():  # recomputed during backward: gathered until that ends
+            units[0].gather()
+            return
+        depth += 1
+        if depth == 1:
+            units[0].gather()
+            prefetcher.start_forward()
+
+    def post_forward(module, args, output):
+        nonlocal depth
+        if _inside_backward() or depth == 0:
+            return
+        depth -= 1
+        if depth == 0:
+            prefetcher.end_forward()
+            if not torch.is_grad_enabled():
+                for unit in units:
+                    unit.release()
+
+    return [model.register_forward_pre_hook(pre_forward),
+            model.register_forward_hook(post_forward, always_call=True)]
+
+
 def install_unit_hooks(unit: Unit, prefetcher: Prefetcher, backward_done: Callable[[Unit], None]) -> list:
     """Forward pre/post hooks for a (non-root) unit: gather it before its forward, release it
     after; gather it again when backward reaches its outputs; call ``backward_done(unit)``
@@ -369,13 +404,17 @@ def install_unit_hooks(unit: Unit, prefetcher: Prefetcher, backward_done: Callab
 def initialize_meta_units(units: list[Unit], seed: int, device: torch.device,
                           param_init_fn: Optional[Callable[[nn.Module], None]],
                           prefetcher: Optional["Prefetcher"] = None,
-                          after_group: Optional[Callable[[Any], None]] = None) -> None:
+                          after_group: Optional[Callable[[Any], None]] = None,
+                          loaded: Optional[dict[int, nn.Parameter]] = None) -> None:
     """Give a model built on the meta device its values, one unit at a time, so that no rank
     ever holds more than one unit's full parameters: materialize the unit, run
     ``reset_parameters()`` (then ``param_init_fn``, if given) of each module that owns
     parameters in it, seeded by (seed, unit) so every rank computes the same values, keep
     this rank's shard and free the rest (and pass each group to ``after_group``: parameter
-    offload moves the shard off the device there)."""
+    offload moves the shard off the device there). A parameter built inside ``zero.Init``
+    (``loaded``: the parameter built there, by the id of the one that replaced it) takes its values from the slices
+    instead, and a module all of whose parameters do is not initialized."""
+    loaded = {} if loaded is None else loaded
     devices = [device] if device.type == "cuda" else []
     for unit in units:
         groups = [g for g in unit.groups if g.replaced]
@@ -387,7 +426,7 @@ def initialize_meta_units(units: list[Unit], seed: int, device: torch.device,
         if prefetcher is not None:
             prefetcher._note_peak()  # measured: what is allocated now
         modules = [m for m in unit.module.modules()
-                   if any(id(p) in mine for p in m.parameters(recurse=False))]
+                   if any(id(p) in mine and id(p) not in loaded for p in m.parameters(recurse=False))]
         with torch.random.fork_rng(devices=devices), torch.no_grad():
             torch.manual_seed(seed + unit.index)
             for m in modules:
@@ -399,6 +438,12 @@ def initialize_meta_units(units: list[Unit], seed: int, device: torch.device,
                     m.reset_parameters()
                 if param_init_fn is not None:
                     param_init_fn(m)
+            for g in groups:
+                for p in g.params:
+                    if id(p) in loaded:
+                        built = loaded.pop(id(p))
+                        p.copy_(full_values(init_shard(built)))
+                        adopted(built)  # its slice is freed now, unit by unit
         for g in groups:
             g.keep_own_shard()
             if after_group is not None:

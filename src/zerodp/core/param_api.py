@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .flat import FlatGroup
+from .init_shards import gathered, init_shard
 
 if TYPE_CHECKING:
     from .collectives import Comm
@@ -54,20 +55,35 @@ def register_params(groups: Iterable[FlatGroup], comm: "Comm", sharded: bool) ->
 
 
 @contextlib.contextmanager
-def GatheredParameters(params: Any, modifier_rank: Optional[int] = None, enabled: bool = True):
+def GatheredParameters(params: Any, modifier_rank: Optional[int] = None, fwd_module: Optional[nn.Module] = None,
+                       enabled: bool = True):
     """Gather full parameters for the duration of the context (DeepSpeed's API).
 
-    ``params``: a parameter or an iterable of them (parameters zerodp does not manage are
-    left alone). Inside, they hold their full values on every rank. With ``modifier_rank``,
-    that rank's values on exit (e.g. after an in-place initialization) are broadcast to every
-    rank and become the new shards; otherwise edits are discarded at stage 3. Every rank of
-    the data-parallel group must enter the context with the same parameters.
+    ``params``: a parameter or an iterable of them (``None`` entries and parameters zerodp does
+    not manage are left alone). Inside, they hold their full values on every rank. With
+    ``modifier_rank``, that rank's values on exit (e.g. after an in-place initialization or a
+    checkpoint copied in) are broadcast to every rank and become the new shards; otherwise
+    edits are discarded at stage 3. The parameters are those of an engine, or ones built inside
+    ``zero.Init`` that no engine has yet (``init_shards.py``). ``fwd_module``: registers the
+    parameters as external parameters of that module (``register_external_parameter``). Every
+    rank of the data-parallel group must enter the context with the same parameters.
     """
     if not enabled:
         yield
         return
     if isinstance(params, torch.Tensor):
         params = [params]
+    params = [p for p in params if p is not None]
+    if fwd_module is not None:  # DeepSpeed's meaning: fwd_module's forward uses these parameters
+        for p in params:
+            register_external_parameter(fwd_module, p)
+    unadopted = [p for p in params if init_shard(p) is not None]
+    with gathered(unadopted, modifier_rank), _gathered_in_engines(params, modifier_rank):
+        yield
+
+
+@contextlib.contextmanager
+def _gathered_in_engines(params: list, modifier_rank: Optional[int]):
     seen, entries = set(), []
     for p in params:
         entry = _GROUP_OF.get(p)

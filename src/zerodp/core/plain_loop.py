@@ -61,6 +61,8 @@ class PlainLoop:
         self.backward_seen = False      # a plain backward ran since the last update
         self.scaled = False             # engine.scale(loss) was called since the last update
         opt = engine.optimizer
+        if opt is None:  # an engine for evaluation only
+            return
         ref = self._engine
         plain = weakref.ref(self)
 

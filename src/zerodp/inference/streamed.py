@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ..core.device import default_device
+from ..core.init_shards import adopted
 
 __all__ = ["StreamedModel", "stream"]
 
@@ -84,7 +85,8 @@ class StreamedModel(nn.Module):
                     continue
                 if not p.is_meta:
                     raise ValueError(f"{mname}.{pname} is not on the meta device: build the model inside "
-                                     "zerodp.zero.Init() (or torch.device('meta')), so no weight is held twice")
+                                     "torch.device('meta') (or zerodp.zero.Init()), so no weight is held twice")
+                adopted(p)  # built in zero.Init: its slice of values is not needed, the weights are read
                 self._names[id(p)].append(f"{mname}.{pname}" if mname else pname)
                 self._holders[id(p)].append((mod, pname))
                 self._meta[id(p)] = p

@@ -1,0 +1,250 @@
+"""Parameters built inside ``zero.Init``: each keeps only this rank's slice of its values.
+
+When a module built inside the context has finished its constructor (so its parameters hold
+the values its ``reset_parameters`` gave them), each real parameter it registered is replaced
+by one on the meta device (its shape, no storage) that carries an :class:`InitShard`: the
+flattened values, padded to a multiple of the group size, cut into one contiguous slice per
+rank; this rank keeps its slice (:class:`ShardedConstruction`, which wraps the ``__init__`` of
+every ``nn.Module`` class while active, as DeepSpeed's ``Init`` does). The values are rank 0's
+(broadcast as the parameter is sharded, as DeepSpeed does), so every rank agrees whatever its
+random state. No rank holds more than one module's full parameters at a time. A parameter
+registered after its module was built (``module.weight = nn.Parameter(...)``) is sharded at once.
+
+Until an engine adopts them, such parameters can be read and written whole with
+``GatheredParameters`` (:func:`gathered`): inside, the parameter holds its full values on every
+rank; on exit with ``modifier_rank=r``, rank r's values become every rank's slices. That is how
+``transformers`` loads a checkpoint into a model built under ``zero.Init`` (rank 0 copies each
+module's weights in, inside ``GatheredParameters(params, modifier_rank=0)``) and initializes the
+weights the checkpoint lacks.
+
+``zerodp.initialize`` (stage 3) then gives each unit its values from the slices
+(:func:`full_values`, one unit at a time), keeps this rank's shard of the unit's flat groups,
+and drops the slices. A parameter built inside ``Init`` never holds values of its own outside
+those moments, so code that reads ``param.shape`` works, and code that reads values needs
+``GatheredParameters``.
+"""
+from __future__ import annotations
+
+import contextlib
+import enum
+import functools
+import itertools
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .device import default_device
+
+
+class ZeroParamStatus(enum.Enum):
+    """DeepSpeed's parameter status names (``param.ds_status``)."""
+
+    AVAILABLE = 1
+    NOT_AVAILABLE = 2
+    INFLIGHT = 3
+
+
+@dataclass
+class InitShard:
+    """This rank's slice of a parameter built inside ``zero.Init``."""
+
+    data: torch.Tensor          # 1-D: elements [rank * len, (rank + 1) * len) of the padded flat values
+    shape: torch.Size
+    group: Optional[dist.ProcessGroup]
+    world: int
+    rank: int
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+
+_ATTR = "_zerodp_init_shard"  # in the parameter's __dict__ (torch.utils.swap_tensors forbids weak references)
+_ids = itertools.count()
+
+
+def _group_facts(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(group), dist.get_rank(group)
+    return 1, 0
+
+
+def _slice_of(flat: torch.Tensor, world: int, rank: int) -> torch.Tensor:
+    per = -(-flat.numel() // world)
+    out = torch.zeros(per, dtype=flat.dtype, device=flat.device)
+    lo, hi = rank * per, min((rank + 1) * per, flat.numel())
+    if hi > lo:
+        out[: hi - lo].copy_(flat[lo:hi])
+    return out
+
+
+def shard_parameter(param: nn.Parameter, group: Optional[dist.ProcessGroup] = None,
+                    dtype: Optional[torch.dtype] = None) -> nn.Parameter:
+    """A meta parameter shaped like ``param`` that keeps this rank's slice of its values
+    (rank 0's values: broadcast from rank 0 of ``group`` first), in ``dtype`` if given and the
+    parameter is floating point, with DeepSpeed's ``ds_*`` attributes."""
+    world, rank = _group_facts(group)
+    requires_grad = param.requires_grad
+    full = param.detach()
+    if dtype is not None and full.is_floating_point():
+        full = full.to(dtype)
+    full = full.to(default_device()).contiguous()
+    if world > 1:
+        dist.broadcast(full, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    shard = InitShard(_slice_of(full.reshape(-1), world, rank), param.shape, group, world, rank)
+    new = nn.Parameter(torch.empty_like(full, device="meta"), requires_grad=requires_grad)
+    setattr(new, _ATTR, shard)
+    new.ds_id = next(_ids)
+    new.ds_shape = param.shape
+    new.ds_numel = param.numel()
+    new.ds_status = ZeroParamStatus.NOT_AVAILABLE
+    new.ds_tensor = shard.data
+    new.ds_persist = False
+    new.ds_active_sub_modules = set()
+    return new
+
+
+def init_shard(param: torch.Tensor) -> Optional[InitShard]:
+    """The slice ``param`` keeps, if it was built inside ``zero.Init`` and no engine has
+    adopted it yet."""
+    return param.__dict__.get(_ATTR)
+
+
+def full_values(shard: InitShard) -> torch.Tensor:
+    """The parameter's full values (every rank's slice gathered), shaped like it."""
+    if shard.world == 1:
+        flat = shard.data
+    else:
+        parts = [torch.empty_like(shard.data) for _ in range(shard.world)]
+        dist.all_gather(parts, shard.data, group=shard.group)
+        flat = torch.cat(parts)
+    return flat[: shard.numel].view(shard.shape)
+
+
+def set_values(shard: InitShard, full: torch.Tensor, src_rank: int) -> None:
+    """Make rank ``src_rank``'s ``full`` (its values, shaped like the parameter) every rank's."""
+    full = full.detach().to(shard.data.device).contiguous()
+    if shard.world > 1:
+        src = dist.get_global_rank(shard.group, src_rank) if shard.group is not None else src_rank
+        dist.broadcast(full, src=src, group=shard.group)
+    shard.data.copy_(_slice_of(full.reshape(-1), shard.world, shard.rank))
+
+
+def adopted(param: torch.Tensor) -> None:
+    """An engine has taken ``param``'s values: it keeps no slice of its own any more."""
+    param.__dict__.pop(_ATTR, None)
+    param.__dict__.pop("ds_tensor", None)
+
+
+_active: Optional["ShardedConstruction"] = None
+_DEPTH = "_zerodp_init_depth"  # in a module's __dict__ while its constructors run
+
+
+def _wrap_init(cls: type) -> None:
+    init = cls.__dict__.get("__init__")
+    if init is None or getattr(init, "_zerodp_wrapped", False):
+        return
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        if _active is None:
+            return init(self, *args, **kwargs)
+        self.__dict__[_DEPTH] = self.__dict__.get(_DEPTH, 0) + 1
+        try:
+            init(self, *args, **kwargs)
+        finally:
+            self.__dict__[_DEPTH] -= 1
+        if self.__dict__[_DEPTH] == 0:  # the outermost constructor of this module has returned
+            del self.__dict__[_DEPTH]
+            if _active is not None:
+                _active.shard_own(self)
+
+    __init__._zerodp_wrapped = True
+    __init__._zerodp_original = init
+    cls.__init__ = __init__
+
+
+def _module_classes() -> list[type]:
+    seen, todo = [], [nn.Module]
+    while todo:
+        cls = todo.pop()
+        seen.append(cls)
+        todo.extend(c for c in cls.__subclasses__() if c not in seen and c not in todo)
+    return seen
+
+
+class ShardedConstruction:
+    """While entered: every module built shards its own real parameters when its constructor
+    returns, and a parameter registered later on an already built module is sharded at once
+    (``zero.Init``). Not re-entrant across threads: one model is built at a time."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, dtype: Optional[torch.dtype] = None) -> None:
+        self.group, self.dtype = group, dtype
+        self._wrapped: list[type] = []
+        self._handle = None
+        self._outer: Optional[ShardedConstruction] = None
+
+    def shard_own(self, module: nn.Module) -> None:
+        for name, p in list(module._parameters.items()):
+            if p is not None and not p.is_meta and init_shard(p) is None:
+                module._parameters[name] = shard_parameter(p, self.group, self.dtype)
+
+    def _on_register(self, module: nn.Module, name: str, param: Optional[nn.Parameter]):
+        if param is None or param.is_meta or module.__dict__.get(_DEPTH, 0) > 0:
+            return None  # meta, or sharded when the module's constructor returns
+        old = module._parameters.get(name)
+        if old is not None and old.is_meta and init_shard(old) is None:
+            return None  # a value put in place of a parameter built on the meta device: kept as is
+        return shard_parameter(param, self.group, self.dtype)
+
+    def __enter__(self) -> "ShardedConstruction":
+        global _active
+        from torch.nn.modules.module import register_module_parameter_registration_hook
+
+        self._outer, _active = _active, self
+        if self._outer is None:
+            for cls in _module_classes():
+                if "__init__" in cls.__dict__ and not getattr(cls.__dict__["__init__"], "_zerodp_wrapped", False):
+                    _wrap_init(cls)
+                    self._wrapped.append(cls)
+            nn.Module.__init_subclass__ = classmethod(lambda cls, **kw: _wrap_init(cls))  # classes defined inside
+        self._handle = register_module_parameter_registration_hook(self._on_register)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _active
+        self._handle.remove()
+        _active = self._outer
+        if self._outer is None:
+            del nn.Module.__init_subclass__
+            for cls in self._wrapped:  # a class defined inside keeps its wrapper, inert when none is active
+                cls.__init__ = cls.__dict__["__init__"]._zerodp_original
+            self._wrapped = []
+
+
+@contextlib.contextmanager
+def gathered(params: list[nn.Parameter], modifier_rank: Optional[int]) -> Iterator[None]:
+    """``GatheredParameters`` for parameters built inside ``zero.Init`` and not yet in an
+    engine: full values inside; on exit, ``modifier_rank``'s values become the slices (without
+    it, changes are dropped)."""
+    swapped = []
+    try:
+        for p in params:
+            shard = init_shard(p)
+            whole = nn.Parameter(full_values(shard).clone(), requires_grad=p.requires_grad)
+            whole.__dict__.update(p.__dict__)
+            torch.utils.swap_tensors(p, whole)  # p now holds the values; ``whole`` the meta tensor
+            p.ds_status = ZeroParamStatus.AVAILABLE
+            swapped.append((p, whole, shard))
+        yield
+    finally:
+        for p, meta, shard in swapped:
+            if modifier_rank is not None:
+                with torch.no_grad():
+                    set_values(shard, p.detach(), modifier_rank)
+            meta.__dict__.update(p.__dict__)
+            torch.utils.swap_tensors(p, meta)
+            p.ds_status = ZeroParamStatus.NOT_AVAILABLE

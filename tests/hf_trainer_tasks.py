@@ -1,0 +1,170 @@
+"""Hugging Face ``Trainer`` runs with a DeepSpeed config, under ``ZERODP_AS_DEEPSPEED=1``:
+
+    ZERODP_AS_DEEPSPEED=1 torchrun --nproc-per-node 2 hf_trainer_tasks.py OUT.json CASE [CASE ...]
+
+Each CASE trains a tiny GPT-2 (built from a config, seeded) for three optimizer steps on the
+same fixed token batches, with a fresh ``Trainer`` whose ``TrainingArguments(deepspeed=...)``
+holds the case's DeepSpeed config, or none (``plain``: the Trainer's own DDP loop, the
+reference). The Trainers run one after another in the same process group. Rank 0 writes, per
+case, the logged loss and gradient norm of every step and the evaluation loss before and after
+training (before: by a Trainer of its own, only without DeepSpeed and at stage 3, as
+transformers allows), to OUT.json.
+
+CASE is ``plain`` or ``z<stage>`` followed by any of ``-bf16``, ``-off`` (optimizer state
+offloaded to the CPU), ``-gas2`` (two micro-batches per step) and ``-pre`` (the model loaded with
+``from_pretrained`` from a directory rank 0 saved it to, after the ``TrainingArguments``, so that
+at stage 3 transformers builds it inside ``deepspeed.zero.Init`` and loads the weights through
+``GatheredParameters``), e.g. ``z3-bf16-off``; ``-ckpt`` runs the checkpoint scenario instead
+(``run_checkpoint_case``).
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+
+import torch
+from accelerate.state import AcceleratorState
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+VOCAB, SEQ = 100, 16
+BUILT_IN_INIT: dict[str, bool] = {}  # per -pre case: every parameter a zero.Init slice after loading
+
+
+class Tokens(torch.utils.data.Dataset):
+    """Fixed random token sequences (language modelling: the labels are the inputs)."""
+
+    def __init__(self, n: int, offset: int = 0) -> None:
+        self.n, self.offset = n, offset
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        ids = torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(self.offset + i))
+        return {"input_ids": ids, "labels": ids}
+
+
+def ds_config(stage: int, offload: bool) -> dict:
+    """A DeepSpeed config of the kind fine-tuning tools ship: "auto" wherever the Trainer knows."""
+    zero: dict = {"stage": stage}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    return {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+            "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                      "weight_decay": "auto"}},
+            "zero_optimization": zero, "bf16": {"enabled": "auto"}}
+
+
+def parse(case: str) -> dict:
+    head, *flags = case.split("-")
+    unknown = set(flags) - {"bf16", "off", "gas2", "pre", "ckpt"}
+    if unknown or not (head == "plain" or head in ("z0", "z1", "z2", "z3")):
+        raise SystemExit(f"bad case {case!r}")
+    return {"ds": None if head == "plain" else ds_config(int(head[1]), "off" in flags),
+            "bf16": "bf16" in flags, "gas": 2 if "gas2" in flags else 1, "pre": "pre" in flags,
+            "ckpt": "ckpt" in flags}
+
+
+def reset() -> None:
+    """Let the next Trainer build its Accelerator and DeepSpeed config afresh, in the same group."""
+    AcceleratorState._reset_state()
+    unset_hf_deepspeed_config()
+    os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)  # set by TrainingArguments(deepspeed=...), never unset
+    gc.collect()
+
+
+def build_model() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2))
+
+
+def make_trainer(case: str, out_dir: str, model: GPT2LMHeadModel | None = None) -> Trainer:
+    spec = parse(case)
+    if spec["ckpt"]:  # what the fine-tuning tools' ZeRO-3 configs say, so save_model writes weights
+        spec["ds"]["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    if model is None and not spec["pre"]:
+        model = build_model()
+    args = TrainingArguments(
+        output_dir=os.path.join(out_dir, case), per_device_train_batch_size=2, per_device_eval_batch_size=2,
+        gradient_accumulation_steps=spec["gas"], max_steps=3, logging_steps=1, learning_rate=1e-3,
+        lr_scheduler_type="constant", bf16=spec["bf16"], deepspeed=spec["ds"], use_cpu=True,
+        save_strategy="steps" if spec["ckpt"] else "no", save_steps=2, report_to=[], disable_tqdm=True)
+    if model is None:  # after the arguments: under a stage-3 config, built in zero.Init
+        torch.distributed.barrier()  # (the group the arguments started) rank 0 has saved the weights
+        model = GPT2LMHeadModel.from_pretrained(os.path.join(out_dir, "pretrained"))
+        BUILT_IN_INIT[case] = all(p.is_meta and hasattr(p, "ds_shape") for p in model.parameters())
+    return Trainer(model=model, args=args, train_dataset=Tokens(48), eval_dataset=Tokens(8, offset=1000))
+
+
+PROMPT = [[1, 5, 9, 2]]
+
+
+def generate(model) -> list:
+    return model.generate(torch.tensor(PROMPT), max_new_tokens=5, do_sample=False, pad_token_id=0).tolist()
+
+
+def losses(trainer: Trainer) -> list[float]:
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def run_checkpoint_case(case: str, out_dir: str) -> dict:
+    """Train 3 steps saving a checkpoint after step 2, generate, ``save_model``; resume a new
+    Trainer from the checkpoint; load the saved model without DeepSpeed, evaluate and generate."""
+    here = os.path.join(out_dir, case)
+    trainer = make_trainer(case, out_dir)
+    trainer.train()
+    result = {"loss": losses(trainer), "eval_after": trainer.evaluate()["eval_loss"],
+              "generated": generate(trainer.model)}  # every rank calls it: stage 3 gathers in step
+    trainer.save_model(os.path.join(here, "final"))
+    reset()
+    resumed = make_trainer(case, out_dir)
+    resumed.train(resume_from_checkpoint=os.path.join(here, "checkpoint-2"))
+    result["resumed_loss"] = losses(resumed)
+    reset()
+    torch.distributed.barrier()  # rank 0 has written the model
+    saved = make_trainer("plain", out_dir, model=GPT2LMHeadModel.from_pretrained(os.path.join(here, "final")))
+    result["saved_eval"] = saved.evaluate()["eval_loss"]
+    result["saved_generated"] = generate(saved.model)
+    reset()
+    return result
+
+
+def run_case(case: str, out_dir: str) -> dict:
+    print(f"case {case}", file=sys.stderr, flush=True)
+    result = {}
+    spec = parse(case)
+    if spec["ckpt"]:
+        return run_checkpoint_case(case, out_dir)
+    if spec["ds"] is None or spec["ds"]["zero_optimization"]["stage"] == 3:
+        # transformers refuses ZeRO inference below stage 3, and a Trainer that evaluated first
+        # (an engine without optimizer) cannot train afterwards, with DeepSpeed too: a Trainer of its own
+        result["eval_before"] = make_trainer(case, out_dir).evaluate()["eval_loss"]
+        reset()
+    trainer = make_trainer(case, out_dir)
+    trainer.train()
+    result["loss"] = losses(trainer)
+    result["grad_norm"] = [float(h["grad_norm"]) for h in trainer.state.log_history if "grad_norm" in h]
+    result["eval_after"] = trainer.evaluate()["eval_loss"]
+    if case in BUILT_IN_INIT:
+        result["built_in_init"] = BUILT_IN_INIT[case]
+    reset()
+    return result
+
+
+def main() -> None:
+    out, cases = sys.argv[1], sys.argv[2:]
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:  # the same weights the other cases start from
+        build_model().save_pretrained(os.path.join(os.path.dirname(out), "pretrained"))
+    results = {case: run_case(case, os.path.dirname(out)) for case in cases}
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main()
