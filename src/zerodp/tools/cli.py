@@ -6,7 +6,8 @@ and returns the exit code.
 
 ``zerodp train`` launches ``python -m torch.distributed.run --standalone --nproc-per-node N
 -m zerodp.tools.train ...`` underneath (``zerodp.tools.train`` is the per-rank worker) and returns its
-exit code; with ``--nproc 1`` it trains in this process.
+exit code; with ``--nproc 1`` it trains in this process. ``zerodp launch`` runs any training
+script the way DeepSpeed's ``deepspeed`` launcher does, on torchrun (``zerodp.tools.launch``).
 
 Exit codes: 0 success, 2 usage or configuration error (message, no traceback), 130
 interrupted, otherwise the failing training run's code.
@@ -210,6 +211,19 @@ COMMANDS: dict[str, Command] = {
             "validation loss."),
         add_arguments=_train_add_arguments,
         run=_run_train,
+    ),
+    "launch": Command(
+        help="run a training script on N local processes, as DeepSpeed's 'deepspeed' launcher does",
+        description=(
+            "Run a training script on N processes of this node with DeepSpeed's launcher options: "
+            "'zerodp launch --num_gpus 2 train.py --deepspeed ds_config.json' is 'deepspeed "
+            "--num_gpus 2 train.py --deepspeed ds_config.json'. torchrun underneath sets RANK, "
+            "LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; each process runs the script as "
+            "__main__ with --local_rank=<local rank> right after the script name, where DeepSpeed "
+            "puts it. The exit code is torchrun's (130 on Ctrl-C). Multi-node runs are started "
+            "with torchrun."),
+        add_arguments=launch.add_arguments,
+        run=launch.run,
     ),
     "consolidate": Command(
         help="write a checkpoint's full weights as safetensors (zerodp or DeepSpeed checkpoints)",
