@@ -6,7 +6,8 @@ and returns the exit code.
 
 ``zerodp train`` launches ``python -m torch.distributed.run --standalone --nproc-per-node N
 -m zerodp.tools.train ...`` underneath (``zerodp.tools.train`` is the per-rank worker) and returns its
-exit code; with ``--nproc 1`` it trains in this process.
+exit code; with ``--nproc 1`` it trains in this process. ``zerodp launch`` runs any training
+script the way DeepSpeed's ``deepspeed`` launcher does, on torchrun (``zerodp.tools.launch``).
 
 Exit codes: 0 success, 2 usage or configuration error (message, no traceback), 130
 interrupted, otherwise the failing training run's code.
@@ -15,18 +16,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
-import subprocess
 import sys
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from . import generate
+from . import generate, launch
+from .launch import PROG
 
 __all__ = ["main", "build_parser", "COMMANDS", "Command"]
-
-PROG = "zerodp"
 
 
 @dataclass(frozen=True)
@@ -40,7 +38,7 @@ class Command:
 
 
 def _error(message: str, command: str = "train") -> None:
-    print(f"{PROG} {command}: error: {message}", file=sys.stderr)
+    launch.error(message, command)
 
 
 # -- zerodp train ---------------------------------------------------------------------------
@@ -52,14 +50,7 @@ def _train_add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _worker_env(nproc: int) -> dict[str, str]:
     from . import train
-    env = dict(os.environ)
-    env[train.WORKER_ENV] = "1"
-    if "OMP_NUM_THREADS" not in env:
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
-    # torchrun otherwise hands restarted ranks the store of the failed attempt, whose stale
-    # gloo addresses make the restart fail to connect
-    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    return env
+    return {**launch.torchrun_env(nproc), train.WORKER_ENV: "1"}
 
 
 def _run_train(args: argparse.Namespace) -> int:
@@ -90,79 +81,7 @@ def _run_train(args: argparse.Namespace) -> int:
     restarts = ["--max-restarts", str(args.max_restarts)] if args.max_restarts else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", *restarts,
            "--nproc-per-node", str(args.nproc), "-m", "zerodp.tools.train", *train.to_argv(args)]
-    return _launch(cmd, _worker_env(args.nproc))
-
-
-def _launch(cmd: list[str], env: dict[str, str]) -> int:
-    """Run the torchrun launcher and return its exit code, reporting a failure.
-
-    The launcher runs in a session of its own, so a terminal's Ctrl-C reaches it only
-    through here, exactly once: the first Ctrl-C (or a SIGTERM to this process) is forwarded
-    as SIGINT and torchrun stops the workers; a second one kills torchrun and the workers.
-    """
-    try:
-        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-    except OSError as e:
-        _error(f"cannot start {cmd[0]}: {e}")
-        return 1
-
-    def on_sigterm(signum, frame):
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
-    interrupts = 0
-    try:
-        while True:
-            try:
-                rc = proc.wait()
-                break
-            except KeyboardInterrupt:
-                if proc.poll() is not None:
-                    continue
-                interrupts += 1
-                if interrupts == 1:
-                    print(f"\n{PROG} train: interrupted; stopping the workers "
-                          "(Ctrl-C again to kill them)", file=sys.stderr)
-                    proc.send_signal(signal.SIGINT)
-                else:
-                    print(f"\n{PROG} train: killing the workers", file=sys.stderr)
-                    _kill_tree(proc.pid)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    if interrupts:
-        return 130
-    if rc != 0:
-        what = f"killed by signal {-rc}" if rc < 0 else f"exit code {rc}"
-        _error(f"training failed ({what}); see the messages above")
-        return rc if rc > 0 else 128 - rc
-    return 0
-
-
-def _children(pid: int) -> list[int]:
-    """Child process ids of ``pid`` (Linux ``/proc``; empty where unavailable)."""
-    kids: list[int] = []
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                kids += [int(k) for k in f.read().split()]
-    except OSError:
-        pass
-    return kids
-
-
-def _kill_tree(pid: int) -> None:
-    """SIGKILL torchrun and its workers (each worker leads a process group of its own)."""
-    for child in _children(pid):
-        for kill in (os.killpg, os.kill):
-            try:
-                kill(child, signal.SIGKILL)
-                break
-            except (ProcessLookupError, PermissionError):
-                continue
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    return launch.run_torchrun(cmd, _worker_env(args.nproc), "train", "training")
 
 
 # -- zerodp plot ----------------------------------------------------------------------------
@@ -292,6 +211,19 @@ COMMANDS: dict[str, Command] = {
             "validation loss."),
         add_arguments=_train_add_arguments,
         run=_run_train,
+    ),
+    "launch": Command(
+        help="run a training script on N local processes, as DeepSpeed's 'deepspeed' launcher does",
+        description=(
+            "Run a training script on N processes of this node with DeepSpeed's launcher options: "
+            "'zerodp launch --num_gpus 2 train.py --deepspeed ds_config.json' is 'deepspeed "
+            "--num_gpus 2 train.py --deepspeed ds_config.json'. torchrun underneath sets RANK, "
+            "LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; each process runs the script as "
+            "__main__ with --local_rank=<local rank> right after the script name, where DeepSpeed "
+            "puts it. The exit code is torchrun's (130 on Ctrl-C). Multi-node runs are started "
+            "with torchrun."),
+        add_arguments=launch.add_arguments,
+        run=launch.run,
     ),
     "consolidate": Command(
         help="write a checkpoint's full weights as safetensors (zerodp or DeepSpeed checkpoints)",
