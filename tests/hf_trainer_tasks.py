@@ -15,7 +15,7 @@ offloaded to the CPU), ``-gas2`` (two micro-batches per step) and ``-pre`` (the 
 ``from_pretrained`` from a directory rank 0 saved it to, after the ``TrainingArguments``, so that
 at stage 3 transformers builds it inside ``deepspeed.zero.Init`` and loads the weights through
 ``GatheredParameters``), e.g. ``z3-bf16-off``; ``-ckpt`` runs the checkpoint scenario instead
-(``run_checkpoint_case``).
+(``run_checkpoint_case``), ``-lora`` a PEFT LoRA model (``run_lora_case``).
 """
 from __future__ import annotations
 
@@ -61,12 +61,12 @@ def ds_config(stage: int, offload: bool) -> dict:
 
 def parse(case: str) -> dict:
     head, *flags = case.split("-")
-    unknown = set(flags) - {"bf16", "off", "gas2", "pre", "ckpt"}
+    unknown = set(flags) - {"bf16", "off", "gas2", "pre", "ckpt", "lora"}
     if unknown or not (head == "plain" or head in ("z0", "z1", "z2", "z3")):
         raise SystemExit(f"bad case {case!r}")
     return {"ds": None if head == "plain" else ds_config(int(head[1]), "off" in flags),
             "bf16": "bf16" in flags, "gas": 2 if "gas2" in flags else 1, "pre": "pre" in flags,
-            "ckpt": "ckpt" in flags}
+            "ckpt": "ckpt" in flags, "lora": "lora" in flags}
 
 
 def reset() -> None:
@@ -84,10 +84,13 @@ def build_model() -> GPT2LMHeadModel:
 
 def make_trainer(case: str, out_dir: str, model: GPT2LMHeadModel | None = None) -> Trainer:
     spec = parse(case)
-    if spec["ckpt"]:  # what the fine-tuning tools' ZeRO-3 configs say, so save_model writes weights
-        spec["ds"]["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    if (spec["ckpt"] or spec["lora"]) and spec["ds"]:  # what the fine-tuning tools' ZeRO-3 configs say,
+        spec["ds"]["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True  # so saves write weights
     if model is None and not spec["pre"]:
         model = build_model()
+    if spec["lora"]:
+        from peft import LoraConfig, get_peft_model
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.0))
     args = TrainingArguments(
         output_dir=os.path.join(out_dir, case), per_device_train_batch_size=2, per_device_eval_batch_size=2,
         gradient_accumulation_steps=spec["gas"], max_steps=3, logging_steps=1, learning_rate=1e-3,
@@ -133,12 +136,32 @@ def run_checkpoint_case(case: str, out_dir: str) -> dict:
     return result
 
 
+def run_lora_case(case: str, out_dir: str) -> dict:
+    """PEFT LoRA through the Trainer: train, evaluate, save the adapter; reload it onto the base
+    model without DeepSpeed and evaluate."""
+    from peft import PeftModel
+    here = os.path.join(out_dir, case)
+    trainer = make_trainer(case, out_dir)
+    trainer.train()
+    result = {"loss": losses(trainer), "eval_after": trainer.evaluate()["eval_loss"]}
+    trainer.save_model(os.path.join(here, "adapter"))
+    reset()
+    torch.distributed.barrier()  # rank 0 has written the adapter
+    result["adapter_files"] = sorted(os.listdir(os.path.join(here, "adapter")))
+    reloaded = PeftModel.from_pretrained(build_model(), os.path.join(here, "adapter"))
+    result["saved_eval"] = make_trainer("plain", out_dir, model=reloaded).evaluate()["eval_loss"]
+    reset()
+    return result
+
+
 def run_case(case: str, out_dir: str) -> dict:
     print(f"case {case}", file=sys.stderr, flush=True)
     result = {}
     spec = parse(case)
     if spec["ckpt"]:
         return run_checkpoint_case(case, out_dir)
+    if spec["lora"]:
+        return run_lora_case(case, out_dir)
     if spec["ds"] is None or spec["ds"]["zero_optimization"]["stage"] == 3:
         # transformers refuses ZeRO inference below stage 3, and a Trainer that evaluated first
         # (an engine without optimizer) cannot train afterwards, with DeepSpeed too: a Trainer of its own

@@ -365,3 +365,24 @@ def test_describe_fields():
     assert keys["gradient_clipping"][0] == "0.0"
     assert "scheduler.type" in keys and "train_batch_size" in keys
     assert all(doc for _, _, doc in rows)
+
+
+# -- what Accelerate and TRL write into configs ---------------------------------------------------
+
+def test_what_accelerate_and_trl_write_is_accepted_without_a_warning(recwarn):
+    """Accelerate always writes ``steps_per_print: inf`` (never print); TRL writes dotted top-level
+    keys for its reference models, which DeepSpeed ignores, and so does zerodp; both silently."""
+    cfg = load_config({"train_micro_batch_size_per_gpu": 1, "steps_per_print": float("inf"),
+                       "zero_optimization": {"stage": 3},
+                       "zero_optimization.reduce_bucket_size": 1024,
+                       "zero_optimization.stage3_prefetch_bucket_size": 921.6})
+    assert cfg.steps_per_print is None and cfg.zero_optimization.reduce_bucket_size == 500_000_000
+    assert not [w for w in recwarn if "zerodp" in str(w.message)]
+    with pytest.raises(ConfigError, match="steps_per_print"):
+        load_config({"steps_per_print": 0.5})
+
+
+def test_the_config_reads_as_deepspeeds_config_dict():
+    cfg = load_config({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}})
+    assert cfg.get("zero_optimization", {}).get("stage") == 3 and cfg["train_micro_batch_size_per_gpu"] == 2
+    assert "bf16" in cfg and cfg.get("no_such_key", 7) == 7

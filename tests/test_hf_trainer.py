@@ -20,7 +20,8 @@ GAS = ["z2-gas2", "z3-gas2"]
 BF16 = ["z0-bf16", "z2-bf16", "z3-bf16", "z3-bf16-off"]
 PRETRAINED = ["z2-pre", "z3-pre", "z3-off-pre"]
 CHECKPOINTS = ["z2-ckpt", "z3-ckpt", "z3-off-ckpt"]
-CASES = ["plain", *FP32, "plain-gas2", *GAS, "plain-bf16", *BF16, *PRETRAINED, "z3-bf16-pre", *CHECKPOINTS]
+LORA = ["plain-lora", "z3-lora"]
+CASES = ["plain", *FP32, "plain-gas2", *GAS, "plain-bf16", *BF16, *PRETRAINED, "z3-bf16-pre", *CHECKPOINTS, *LORA]
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +83,16 @@ def test_save_resume_and_generate_through_the_trainer(results, case):
     assert close(r["resumed_loss"], r["loss"], 1e-5)
     assert close([r["saved_eval"]], [r["eval_after"]], 1e-5)
     assert r["generated"] == r["saved_generated"] and len(r["generated"][0]) == 9
+
+
+def test_peft_lora_through_the_trainer_at_stage_3(results):
+    """A PEFT LoRA model trains at stage 3 as without DeepSpeed; ``save_model`` writes the adapter
+    (PEFT's files), which reloaded onto the base model evaluates as the trained engine did."""
+    got, want = results["z3-lora"], results["plain-lora"]
+    assert close(got["loss"], want["loss"], 1e-5) and not close(got["loss"], results["plain"]["loss"], 1e-4)
+    assert close([got["eval_after"]], [want["eval_after"]], 1e-5)
+    assert close([got["saved_eval"]], [got["eval_after"]], 1e-5)
+    assert "adapter_model.safetensors" in got["adapter_files"] and "adapter_config.json" in got["adapter_files"]
 
 
 @pytest.mark.parametrize("case", GAS)

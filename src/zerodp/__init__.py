@@ -33,6 +33,7 @@ from .core import teardown
 from .core.data import DataLoader
 from .core.engine import ZeroEngine
 from .core.param_api import GatheredParameters, register_external_parameter
+from .runtime.zero import parameter_offload
 from .tools.estimate import estimate
 from .tools.monitor import monitor_from_config
 
@@ -144,6 +145,8 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
                         lr_scheduler=lr_scheduler, process_group=process_group,
                         unit_classes=unit_classes, param_init_fn=param_init_fn)
     engine.monitor = monitor_from_config(cfg, engine)
+    if engine.policy.shard_parameters:
+        parameter_offload.attach(engine)  # what TRL's generation helpers touch
     loader = None
     if user_loader:
         loader = training_data

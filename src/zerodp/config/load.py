@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
 from pathlib import Path
 
 from pydantic import ValidationError
 
 from .schema import Config, ConfigError, _fmt
+
+logger = logging.getLogger("zerodp")
 
 __all__ = ["PRESETS", "load_config", "get_preset", "resolve_batch_sizes"]
 
@@ -98,6 +101,17 @@ def _read_json(path: Path) -> dict:
     return data
 
 
+def _without_dotted_keys(data: dict) -> dict:
+    """The config without top-level keys such as ``"zero_optimization.reduce_bucket_size"``,
+    whose first part names a section: TRL writes them for its reference models, and DeepSpeed,
+    which has no such keys, ignores them without a word. So does zerodp (logged at debug level)."""
+    dotted = [k for k in data if isinstance(k, str) and "." in k and k.split(".")[0] in Config.model_fields]
+    if not dotted:
+        return data
+    logger.debug("config: ignoring %s (dotted keys, as DeepSpeed ignores them)", ", ".join(dotted))
+    return {k: v for k, v in data.items() if k not in dotted}
+
+
 def load_config(config: dict | str | Path | Config | None = None, preset: str | None = None) -> Config:
     """Validate ``config`` (dict, JSON file path, :class:`Config` or None) into a :class:`Config`.
 
@@ -118,6 +132,7 @@ def load_config(config: dict | str | Path | Config | None = None, preset: str | 
         raise ConfigError(f"config: got {type(config).__name__}; allowed: a dict, a JSON file path, a Config, None")
     if preset is not None:
         data = _deep_merge(get_preset(preset), data)
+    data = _without_dotted_keys(data)
     try:
         return Config.model_validate(data)
     except ValidationError as e:

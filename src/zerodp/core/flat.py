@@ -33,6 +33,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from .init_shards import ZeroParamStatus
+
 ALIGN_BYTES = 16
 
 
@@ -192,6 +194,12 @@ class FlatGroup:
         self._own_shard = self.shard_of(self.full).clone()
         self.release()
 
+    def _mark(self, status: ZeroParamStatus) -> None:
+        """Keep ``param.ds_status`` (DeepSpeed's; TRL reads it) true of a sharded group."""
+        if self.shards_parameters:
+            for p in self.params:
+                p.ds_status = status
+
     def offload_shard(self, pin: bool) -> None:
         """Keep this rank's shard in host memory (stage 3 ``offload_param``; page-locked with
         ``pin`` on a GPU); ``gather`` copies it to the device."""
@@ -214,6 +222,7 @@ class FlatGroup:
         self.wait_gathered()
         self._take_back_own_shard()
         self.full.untyped_storage().resize_(0)
+        self._mark(ZeroParamStatus.NOT_AVAILABLE)
 
     def _take_back_own_shard(self) -> None:
         """Give the own shard its storage again, with its values from ``full`` (after a
@@ -247,6 +256,7 @@ class FlatGroup:
         else:
             self.shard_of(self.full).copy_(self._own_shard, non_blocking=True)  # from the host
         self._pending = comm.all_gather(self.full, async_op=async_op)
+        self._mark(ZeroParamStatus.AVAILABLE)
 
     def wait_gathered(self) -> None:
         """Finish a prefetch in flight, if any."""

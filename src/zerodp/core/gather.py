@@ -104,6 +104,16 @@ class Prefetcher:
         self.peak_gathered_bytes = 0
         self.gather_wait_s = 0.0  # time spent waiting for units to arrive (exposed gathers)
 
+    @property
+    def recorded(self) -> bool:
+        """Whether a forward order is recorded and still in force."""
+        return self.order is not None and not self._stale
+
+    def invalidate(self) -> None:
+        """Forget the recorded order: the next forward records it afresh (DeepSpeed's
+        ``_invalidate_trace``, called after generation changed the calls)."""
+        self._stale = True
+
     def start_forward(self) -> None:
         if self._stale:
             self.order, self._stale = None, False

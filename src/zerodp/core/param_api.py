@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .flat import FlatGroup
-from .init_shards import gathered, init_shard
+from .init_shards import ZeroParamStatus, gathered, init_shard
 
 if TYPE_CHECKING:
     from .collectives import Comm
@@ -48,10 +48,16 @@ _GROUP_OF: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
 
 
 def register_params(groups: Iterable[FlatGroup], comm: "Comm", sharded: bool) -> None:
-    """Remember which flat group holds each parameter (for ``GatheredParameters``)."""
+    """Remember which flat group holds each parameter (for ``GatheredParameters``); give
+    sharded ones DeepSpeed's ``ds_*`` attributes (``ds_status`` kept by the group)."""
     for g in groups:
-        for p in g.params:
+        for slot, p in zip(g.slots, g.params):
             _GROUP_OF[p] = (g, comm, sharded)
+            if sharded:  # DeepSpeed's attributes of a ZeRO-3 parameter (TRL and transformers read them)
+                p.ds_shape, p.ds_numel = slot.shape, slot.numel
+                p.ds_id = getattr(p, "ds_id", id(p))
+                p.ds_active_sub_modules = set()
+                p.ds_status = ZeroParamStatus.AVAILABLE if g.gathered else ZeroParamStatus.NOT_AVAILABLE
 
 
 @contextlib.contextmanager
