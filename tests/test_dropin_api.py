@@ -293,3 +293,45 @@ def test_numpy_is_a_dependency():
     r = subprocess.run([sys.executable, "-c", "import zerodp, torch; torch.zeros(2).numpy()"],
                        capture_output=True, text=True, timeout=120, env={"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin"})
     assert r.returncode == 0 and "Failed to initialize NumPy" not in r.stderr, r.stderr
+
+
+def test_ops_adagrad_and_lion():
+    """DeepSpeedCPUAdagrad is torch's Adagrad; Lion follows its published update, worked by hand:
+    p = 1, lr 0.1, betas (0.9, 0.99): g = 0.5 -> sign(0.05) = 1, p = 0.9, m = 0.005; g = -1 ->
+    sign(0.9 * 0.005 - 0.1) = -1, p = 1.0, m = 0.99 * 0.005 - 0.01 = -0.00505. Both run under an
+    engine from a config ("type": "Lion") and equal the optimizer alone."""
+    from zerodp.ops.adagrad import DeepSpeedCPUAdagrad
+    from zerodp.ops.lion import DeepSpeedCPULion, FusedLion
+    torch.manual_seed(0)
+    a = nn.Parameter(torch.randn(6))
+    b = nn.Parameter(a.detach().clone())
+    ours, theirs = DeepSpeedCPUAdagrad([a], lr=0.1), torch.optim.Adagrad([b], lr=0.1)
+    for _ in range(3):
+        for p, opt in ((a, ours), (b, theirs)):
+            p.grad = torch.arange(6.0) - 2
+            opt.step()
+    assert torch.equal(a, b)
+    p = nn.Parameter(torch.tensor([1.0]))
+    lion = DeepSpeedCPULion([p], lr=0.1, betas=(0.9, 0.99))
+    p.grad = torch.tensor([0.5])
+    lion.step()
+    assert torch.allclose(p, torch.tensor([0.9])) and torch.allclose(lion.state[p]["exp_avg"], torch.tensor([0.005]))
+    p.grad = torch.tensor([-1.0])
+    lion.step()
+    assert torch.allclose(p, torch.tensor([1.0])) and torch.allclose(lion.state[p]["exp_avg"], torch.tensor([-0.00505]))
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    ref = nn.Linear(4, 2)
+    ref.load_state_dict(model.state_dict())
+    engine, *_ = zerodp.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Lion", "params": {"lr": 0.01, "weight_decay": 0.1}},
+        "zero_optimization": {"stage": 2}})
+    ref_opt = FusedLion(ref.parameters(), lr=0.01, weight_decay=0.1, betas=(0.9, 0.99))
+    for step in range(3):
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(step))
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+        ref(x).pow(2).mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert all(torch.allclose(p, r) for p, r in zip(engine.module.parameters(), ref.parameters()))

@@ -1,1 +1,3 @@
-"""DeepSpeed's ``deepspeed.ops`` names zerodp provides: ``zerodp.ops.adam``."""
+"""DeepSpeed's ``deepspeed.ops`` names zerodp provides: ``adam`` (``FusedAdam``, ``DeepSpeedCPUAdam``),
+``adagrad`` (``DeepSpeedCPUAdagrad``) and ``lion`` (``DeepSpeedCPULion``, ``FusedLion``), each as
+torch's optimizer of that kind (Lion, which torch lacks, written here)."""

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..config import ConfigError
+from .lion import Lion
 
 __all__ = ["optimizer_factory_from_config", "optimizer_from_config", "check_optimizer_params",
            "check_elementwise", "SUPPORTED_OPTIMIZERS", "FUSED_OPTIMIZERS"]
@@ -38,6 +39,7 @@ _TORCH_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "nadam": torch.optim.NAdam,
     "radam": torch.optim.RAdam,
     "adadelta": torch.optim.Adadelta,
+    "lion": Lion,
 }
 
 #: DeepSpeed optimizer type names accepted by :func:`optimizer_factory_from_config`.
@@ -51,6 +53,7 @@ SUPPORTED_OPTIMIZERS: tuple[str, ...] = (
     "NAdam",
     "RAdam",
     "Adadelta",
+    "Lion",
 )
 
 # Lower-cased type names that are recognised but refused because their update
@@ -427,7 +430,7 @@ def check_elementwise(optimizer_cls: type) -> None:
     name = cls.__name__
     if (_KNOWN_NON_ELEMENTWISE and issubclass(cls, _KNOWN_NON_ELEMENTWISE)) or _NON_ELEMENTWISE_NAME.search(name):
         raise ValueError(_non_elementwise_message(f"Optimizer class {cls.__module__}.{name}"))
-    if cls in _KNOWN_ELEMENTWISE or name == "Lion" or cls.__module__ == "zerodp.ops.adam":
+    if cls in _KNOWN_ELEMENTWISE or name == "Lion" or cls.__module__.startswith("zerodp.ops."):
         return
     warnings.warn(
         f"zerodp does not know optimizer class {cls.__module__}.{name}; it assumes the "
