@@ -19,6 +19,7 @@ stage-3 section). A real tensor put in place of such a parameter (loaded weights
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -32,12 +33,20 @@ __all__ = ["Init", "GatheredParameters", "register_external_parameter"]
 
 def _config_dtype(config: Any) -> Optional[torch.dtype]:
     """The 16-bit dtype a config trains in (``bf16`` or ``fp16`` enabled), which the engine
-    casts parameters to anyway: parameters built in ``Init`` keep their slices in it."""
+    casts parameters to anyway: parameters built in ``Init`` keep their slices in it. Only those
+    two keys are read: a config handed to ``Init`` may still hold ``"auto"`` values that the
+    Hugging Face integration fills in later (model-dependent bucket sizes)."""
     if config is None:
         return None
-    from .config import load_config
-    cfg = load_config(config) if not hasattr(config, "bf16") else config
-    return torch.bfloat16 if cfg.bf16.enabled else torch.float16 if cfg.fp16.enabled else None
+    if hasattr(config, "compute_dtype"):  # a validated Config
+        raw = {"bf16": {"enabled": config.bf16.enabled}, "fp16": {"enabled": config.fp16.enabled}}
+    elif isinstance(config, dict):
+        raw = config
+    else:
+        from .config.load import _read_json
+        raw = _read_json(Path(config))
+    enabled = {k: (raw.get(k) or {}).get("enabled") is True for k in ("bf16", "bfloat16", "fp16")}
+    return torch.bfloat16 if enabled["bf16"] or enabled["bfloat16"] else torch.float16 if enabled["fp16"] else None
 
 
 class Init:
