@@ -335,3 +335,31 @@ def test_ops_adagrad_and_lion():
         ref_opt.step()
         ref_opt.zero_grad()
     assert all(torch.allclose(p, r) for p, r in zip(engine.module.parameters(), ref.parameters()))
+
+
+def test_engine_compile_as_deepspeed_and_accelerate_call_it():
+    """engine.compile(backend=, compile_kwargs=) runs the model compiled at stages 0-2, with the
+    same numbers; stage 3 refuses it by name."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 1))
+    x = torch.randn(3, 4)
+    want = model(x).detach()
+    engine, *_ = zerodp.initialize(model=model, config={"train_micro_batch_size_per_gpu": 3, "optimizer": {
+        "type": "SGD", "params": {"lr": 0.1}}, "zero_optimization": {"stage": 2}})
+    assert not engine.is_compiled
+    graphs = []
+
+    def counting_backend(gm, example_inputs):  # a torch.compile backend that runs the graph as traced
+        graphs.append(gm)
+        return gm.forward
+
+    engine.compile(backend=counting_backend, compile_kwargs={"dynamic": False})
+    assert engine.is_compiled and engine.module._orig_mod is model
+    assert torch.allclose(engine(x), want)
+    assert graphs  # the forward ran through torch.compile
+    engine.backward(engine(x).sum())
+    engine.step()
+    three, *_ = zerodp.initialize(model=nn.Linear(4, 1), config={"train_micro_batch_size_per_gpu": 3, "optimizer": {
+        "type": "SGD", "params": {"lr": 0.1}}, "zero_optimization": {"stage": 3}})
+    with pytest.raises(ValueError, match="stage 3 does not run a compiled model"):
+        three.compile(backend="eager")

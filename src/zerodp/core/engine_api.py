@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 from . import device
@@ -153,6 +154,28 @@ class EngineAPI:
 
     def bfloat16_enabled(self) -> bool:
         return bool(self.config.bf16.enabled)
+
+    def compile(self, backend: Optional[str] = None, compile_kwargs: Optional[dict] = None, **_deepspeed_only) -> None:
+        """Run the model compiled by ``torch.compile`` from now on (DeepSpeed's ``engine.compile``,
+        which Accelerate calls when the script asks for compilation): stages 0-2. Stage 3 gathers
+        each unit in hooks around its forward, which a compiled graph does not call: refused.
+        ``backend`` defaults to torch's; ``compile_kwargs`` are ``torch.compile``'s."""
+        if self.policy.shard_parameters:
+            raise ValueError("engine.compile: stage 3 does not run a compiled model (its units are gathered by "
+                             "hooks around their forward, which a compiled graph does not call); use stage 0-2 "
+                             "to compile, or stage 3 without compiling")
+        if not self.is_compiled:
+            kwargs = dict(compile_kwargs or {})
+            if backend is not None:
+                kwargs["backend"] = backend
+            # torch.compile's wrapper (nn.Module.compile in place leaves the forward uncompiled in
+            # torch 2.13); engine.module is then the wrapper, whose _orig_mod is the model
+            self.module = torch.compile(self.base_module, **kwargs)
+
+    @property
+    def is_compiled(self) -> bool:
+        """Whether the engine runs the model compiled (``compile``, or a model compiled before)."""
+        return self.module is not self.base_module
 
     def zero_optimization_stage(self) -> int:
         return self.policy.stage
