@@ -64,3 +64,31 @@ def test_trl_sft_script_runs_unchanged_with_a_shipped_zero3_config(runs):
     assert sorted(z3) == sorted(start) and set(z3) <= set(z0)
     assert all(torch.allclose(z3[k], z0[k], rtol=1e-5, atol=1e-6) for k in z3)
     assert any(not torch.equal(z3[k], start[k]) for k in z3)  # it trained
+
+
+def test_accelerate_launch_with_a_deepspeed_config(no_deepspeed_python, tmp_path):
+    """``accelerate launch --use_deepspeed --deepspeed_config_file ...`` (Accelerate's launcher reads
+    ``deepspeed.launcher.runner``) runs a Trainer script on zerodp at stage 3, with the losses of
+    the same script under plain torchrun (DDP)."""
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto", "zero_optimization": {"stage": 3},
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                  "weight_decay": "auto"}}}))
+    env = dict(os.environ, ZERODP_AS_DEEPSPEED="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(p for p in (SRC, str(HERE), os.environ.get("PYTHONPATH")) if p))
+    script = str(HERE / "accelerate_script.py")
+    runs = {"accelerate": [no_deepspeed_python, "-m", "accelerate.commands.launch", "--use_deepspeed",
+                           "--deepspeed_config_file", str(config), "--num_processes", "2", "--num_machines", "1",
+                           script, str(tmp_path / "accelerate.json")],
+            "plain": [no_deepspeed_python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                      script, str(tmp_path / "plain.json")]}
+    found = {}
+    for name, cmd in runs.items():
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        assert (tmp_path / f"{name}.json").exists(), (proc.stdout + proc.stderr)[-5000:]
+        found[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    assert found["accelerate"]["engine"] == "zerodp.core.engine" and "DEEPSPEED" in found["accelerate"]["distributed"]
+    got, want = found["accelerate"]["loss"], found["plain"]["loss"]
+    assert len(got) == 3 and all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got, want)), (got, want)
