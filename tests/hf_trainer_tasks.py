@@ -10,7 +10,8 @@ case, the logged loss and gradient norm of every step and the evaluation loss be
 training (before: by a Trainer of its own, only without DeepSpeed and at stage 3, as
 transformers allows), to OUT.json.
 
-CASE is ``plain`` or ``z<stage>`` followed by any of ``-bf16``, ``-off`` (optimizer state
+CASE is ``plain`` or ``z<stage>`` followed by any of ``-bf16``, ``-fp16`` (with a linear schedule;
+``-fp16-ovf``: a loss scale so large that the first step overflows and is skipped), ``-off`` (optimizer state
 offloaded to the CPU), ``-gas2`` (two micro-batches per step) and ``-pre`` (the model loaded with
 ``from_pretrained`` from a directory rank 0 saved it to, after the ``TrainingArguments``, so that
 at stage 3 transformers builds it inside ``deepspeed.zero.Init`` and loads the weights through
@@ -61,10 +62,13 @@ def ds_config(stage: int, offload: bool) -> dict:
 
 def parse(case: str) -> dict:
     head, *flags = case.split("-")
-    unknown = set(flags) - {"bf16", "off", "gas2", "pre", "ckpt", "lora"}
+    unknown = set(flags) - {"bf16", "fp16", "ovf", "off", "gas2", "pre", "ckpt", "lora"}
     if unknown or not (head == "plain" or head in ("z0", "z1", "z2", "z3")):
         raise SystemExit(f"bad case {case!r}")
-    return {"ds": None if head == "plain" else ds_config(int(head[1]), "off" in flags),
+    ds = None if head == "plain" else ds_config(int(head[1]), "off" in flags)
+    if ds is not None and "fp16" in flags:  # -ovf: a loss scale so large that the first step overflows
+        ds["fp16"] = {"enabled": "auto", "initial_scale_power": 18 if "ovf" in flags else 4, "hysteresis": 1}
+    return {"ds": ds, "fp16": "fp16" in flags,
             "bf16": "bf16" in flags, "gas": 2 if "gas2" in flags else 1, "pre": "pre" in flags,
             "ckpt": "ckpt" in flags, "lora": "lora" in flags}
 
@@ -94,7 +98,8 @@ def make_trainer(case: str, out_dir: str, model: GPT2LMHeadModel | None = None) 
     args = TrainingArguments(
         output_dir=os.path.join(out_dir, case), per_device_train_batch_size=2, per_device_eval_batch_size=2,
         gradient_accumulation_steps=spec["gas"], max_steps=3, logging_steps=1, learning_rate=1e-3,
-        lr_scheduler_type="constant", bf16=spec["bf16"], deepspeed=spec["ds"], use_cpu=True,
+        lr_scheduler_type="linear" if spec["fp16"] else "constant", bf16=spec["bf16"], fp16=spec["fp16"],
+        deepspeed=spec["ds"], use_cpu=True,
         save_strategy="steps" if spec["ckpt"] else "no", save_steps=2, report_to=[], disable_tqdm=True)
     if model is None:  # after the arguments: under a stage-3 config, built in zero.Init
         torch.distributed.barrier()  # (the group the arguments started) rank 0 has saved the weights
@@ -172,6 +177,7 @@ def run_case(case: str, out_dir: str) -> dict:
     result["loss"] = losses(trainer)
     result["grad_norm"] = [float(h["grad_norm"]) for h in trainer.state.log_history if "grad_norm" in h]
     result["eval_after"] = trainer.evaluate()["eval_loss"]
+    result["learning_rate"] = [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h]
     if case in BUILT_IN_INIT:
         result["built_in_init"] = BUILT_IN_INIT[case]
     reset()

@@ -363,3 +363,23 @@ def test_engine_compile_as_deepspeed_and_accelerate_call_it():
         "type": "SGD", "params": {"lr": 0.1}}, "zero_optimization": {"stage": 3}})
     with pytest.raises(ValueError, match="stage 3 does not run a compiled model"):
         three.compile(backend="eager")
+
+
+def test_optimizer_overflow_says_whether_the_fp16_step_was_skipped():
+    """``optimizer.overflow`` (DeepSpeed's; Accelerate reads it as "step skipped") is True after an
+    fp16 step skipped for overflow and False after one applied."""
+    torch.manual_seed(0)
+    engine, optimizer, *_ = zerodp.initialize(model=nn.Linear(4, 1), config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "fp16": {"enabled": True, "initial_scale_power": 40, "hysteresis": 1}})
+    assert optimizer.overflow is False
+    seen = []
+    for step in range(40):
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(step)).half()
+        engine.backward(engine(x).float().pow(2).mean() * 1e3)
+        engine.step()
+        seen.append((optimizer.overflow, engine.was_step_applied()))
+        if engine.was_step_applied():
+            break
+    assert seen[0] == (True, False) and seen[-1] == (False, True)
+    assert all(o != a for o, a in seen)

@@ -262,6 +262,7 @@ class ZeroEngine(EngineAPI, nn.Module):
                                              else g.shard)
             pieces_by_group[g.param_group].extend(pieces)
         self.optimizer = build_optimizer(self.config, groups, pieces_by_group, optimizer)
+        self.optimizer.overflow = False  # DeepSpeed's flag, set by each update (fp16: the step was skipped)
 
     def _setup_units(self, unit_plan, meta: bool, param_init_fn, loaded: dict) -> None:
         """Stage 3: keep only shards, make the units and their hooks, and give a model built
@@ -452,8 +453,9 @@ class ZeroEngine(EngineAPI, nn.Module):
             norm, used = self._global_norm_and_usage([g.grad_shard for g in self.trainable])
             norm /= divisor
         self._global_grad_norm = norm
+        overflow = self.loss_scaler is not None and not math.isfinite(norm)
+        self.optimizer.overflow = overflow  # DeepSpeed's flag: Accelerate reads it as "step skipped"
         if self.loss_scaler is not None:
-            overflow = not math.isfinite(norm)
             self.loss_scaler.update(overflow, defer=True)  # at the minimum scale: raised by update_parameters
             if overflow:  # every rank saw the same norm: all skip this step together
                 self._skipped_steps += 1
