@@ -15,7 +15,8 @@ CASE is ``plain`` or ``z<stage>`` followed by any of ``-bf16``, ``-fp16`` (with 
 offloaded to the CPU), ``-gas2`` (two micro-batches per step) and ``-pre`` (the model loaded with
 ``from_pretrained`` from a directory rank 0 saved it to, after the ``TrainingArguments``, so that
 at stage 3 transformers builds it inside ``deepspeed.zero.Init`` and loads the weights through
-``GatheredParameters``), e.g. ``z3-bf16-off``; ``-ckpt`` runs the checkpoint scenario instead
+``GatheredParameters``; with ``-miss`` from a checkpoint that lacks two weights, which
+transformers initializes), e.g. ``z3-bf16-off``; ``-ckpt`` runs the checkpoint scenario instead
 (``run_checkpoint_case``), ``-lora`` a PEFT LoRA model (``run_lora_case``).
 """
 from __future__ import annotations
@@ -62,7 +63,7 @@ def ds_config(stage: int, offload: bool) -> dict:
 
 def parse(case: str) -> dict:
     head, *flags = case.split("-")
-    unknown = set(flags) - {"bf16", "fp16", "ovf", "off", "gas2", "pre", "ckpt", "lora"}
+    unknown = set(flags) - {"bf16", "fp16", "ovf", "off", "gas2", "pre", "miss", "ckpt", "lora"}
     if unknown or not (head == "plain" or head in ("z0", "z1", "z2", "z3")):
         raise SystemExit(f"bad case {case!r}")
     ds = None if head == "plain" else ds_config(int(head[1]), "off" in flags)
@@ -70,7 +71,7 @@ def parse(case: str) -> dict:
         ds["fp16"] = {"enabled": "auto", "initial_scale_power": 18 if "ovf" in flags else 4, "hysteresis": 1}
     return {"ds": ds, "fp16": "fp16" in flags,
             "bf16": "bf16" in flags, "gas": 2 if "gas2" in flags else 1, "pre": "pre" in flags,
-            "ckpt": "ckpt" in flags, "lora": "lora" in flags}
+            "ckpt": "ckpt" in flags, "lora": "lora" in flags, "miss": "miss" in flags}
 
 
 def reset() -> None:
@@ -103,7 +104,8 @@ def make_trainer(case: str, out_dir: str, model: GPT2LMHeadModel | None = None) 
         save_strategy="steps" if spec["ckpt"] else "no", save_steps=2, report_to=[], disable_tqdm=True)
     if model is None:  # after the arguments: under a stage-3 config, built in zero.Init
         torch.distributed.barrier()  # (the group the arguments started) rank 0 has saved the weights
-        model = GPT2LMHeadModel.from_pretrained(os.path.join(out_dir, "pretrained"))
+        torch.manual_seed(1)  # what initializes the weights a checkpoint lacks (-miss)
+        model = GPT2LMHeadModel.from_pretrained(os.path.join(out_dir, "partial" if spec["miss"] else "pretrained"))
         BUILT_IN_INIT[case] = all(p.is_meta and hasattr(p, "ds_shape") for p in model.parameters())
     return Trainer(model=model, args=args, train_dataset=Tokens(48), eval_dataset=Tokens(8, offset=1000))
 
@@ -187,8 +189,15 @@ def run_case(case: str, out_dir: str) -> dict:
 def main() -> None:
     out, cases = sys.argv[1], sys.argv[2:]
     rank = int(os.environ.get("RANK", "0"))
-    if rank == 0:  # the same weights the other cases start from
+    if rank == 0:  # the same weights the other cases start from; and without two of them (-miss)
         build_model().save_pretrained(os.path.join(os.path.dirname(out), "pretrained"))
+        from safetensors.torch import load_file, save_file
+        weights = load_file(os.path.join(os.path.dirname(out), "pretrained", "model.safetensors"))
+        del weights["transformer.h.1.mlp.c_fc.weight"], weights["transformer.h.1.mlp.c_fc.bias"]
+        partial = os.path.join(os.path.dirname(out), "partial")
+        os.makedirs(partial, exist_ok=True)
+        save_file(weights, os.path.join(partial, "model.safetensors"), metadata={"format": "pt"})
+        build_model().config.save_pretrained(partial)
     results = {case: run_case(case, os.path.dirname(out)) for case in cases}
     if rank == 0:
         with open(out, "w") as f:

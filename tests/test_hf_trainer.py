@@ -17,13 +17,14 @@ SRC = str(HERE.parent / "src")
 
 FP32 = ["z0", "z1", "z2", "z3", "z1-off", "z2-off", "z3-off"]
 GAS = ["z2-gas2", "z3-gas2"]
-BF16 = ["z0-bf16", "z2-bf16", "z3-bf16", "z3-bf16-off"]
+BF16 = ["z0-bf16", "z1-bf16", "z2-bf16", "z3-bf16", "z1-bf16-off", "z2-bf16-off", "z3-bf16-off"]
 PRETRAINED = ["z2-pre", "z3-pre", "z3-off-pre"]
 CHECKPOINTS = ["z2-ckpt", "z3-ckpt", "z3-off-ckpt"]
 LORA = ["plain-lora", "z3-lora"]
 FP16 = ["plain-fp16", "z2-fp16", "z3-fp16", "z3-fp16-ovf"]
+MISSING = ["plain-pre-miss", "z2-pre-miss", "z3-pre-miss"]
 CASES = ["plain", *FP32, "plain-gas2", *GAS, "plain-bf16", *BF16, *PRETRAINED, "z3-bf16-pre", *CHECKPOINTS, *LORA,
-         *FP16]
+         *FP16, *MISSING]
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +68,16 @@ def test_from_pretrained_under_zero3_keeps_the_loaded_weights(results, case):
     run starts from, so every step equals it; before, stage 3 trained from random weights."""
     same_run(results[case], results["plain"], rel=1e-5)
     assert results[case]["built_in_init"] == case.startswith("z3")
+
+
+@pytest.mark.parametrize("case", ["z2-pre-miss", "z3-pre-miss"])
+def test_weights_a_checkpoint_lacks_are_initialized_as_without_zero(results, case):
+    """A checkpoint without two of the model's weights: transformers initializes them (at stage 3
+    on rank 0 inside ``GatheredParameters(modifier_rank=0)``); every step then equals the plain
+    Trainer's from the same checkpoint, and differs from the run whose checkpoint had them."""
+    same_run(results[case], results["plain-pre-miss"], rel=1e-5)
+    assert not close(results[case]["loss"], results["plain"]["loss"], 1e-5)
+    assert results[case]["built_in_init"] == (case == "z3-pre-miss")
 
 
 def test_from_pretrained_under_zero3_in_bf16(results):
