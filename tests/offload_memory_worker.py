@@ -59,7 +59,9 @@ def main() -> None:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # peak RSS from here
     before = rss_kib("VmRSS")
-    with zerodp.zero.Init(config_dict_or_path=cfg, enabled=zero["stage"] == 3):  # bf16 slices, as in DeepSpeed
+    # built from scratch: meta=True keeps no values, so nothing is held until initialize gives each
+    # unit its values (without it, Init keeps each rank's bf16 slice of every weight until then)
+    with zerodp.zero.Init(config_dict_or_path=cfg, enabled=zero["stage"] == 3, meta=True):
         model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)])
     engine, *_ = zerodp.initialize(model=model, config=cfg, unit_classes=(nn.Linear,))
     for _ in range(3):

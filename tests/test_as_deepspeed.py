@@ -105,7 +105,8 @@ def test_torchrun_workers_inherit_the_switch(no_deepspeed_python, tmp_path):
     script = tmp_path / "worker.py"
     script.write_text("import os, importlib.metadata\n"
                       "import deepspeed\n"
-                      "print('rank', os.environ['RANK'], importlib.metadata.version('deepspeed'), flush=True)\n")
+                      "line = f\"rank {os.environ['RANK']} {importlib.metadata.version('deepspeed')}\\n\"\n"
+                      "os.write(1, line.encode())  # one write: the ranks' lines do not interleave\n")
     env = {**os.environ, ENV: "1", "OMP_NUM_THREADS": "1"}
     out = subprocess.run([no_deepspeed_python, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                           "--standalone", str(script)], env=env, capture_output=True, text=True, timeout=300)

@@ -185,6 +185,14 @@ def test_zero_init_keeps_values_readable_and_writable_whole():
     assert b.fc.weight.is_meta
     with zerodp.zero.GatheredParameters(b.fc.weight):
         assert b.fc.weight.sum().item() == 48
+    # meta=True: parameters keep no values at all (no slice), buffers stay real
+    from zerodp.core.init_shards import init_shard
+    with zerodp.zero.Init(meta=True):
+        bare = Block()
+    assert bare.fc.weight.is_meta and init_shard(bare.fc.weight) is None and bare.mask.sum().item() == 4
+    with zerodp.zero.Init():
+        kept = Block()
+    assert kept.fc.weight.is_meta and init_shard(kept.fc.weight).data.numel() == 16
     assert zerodp.zero.GatheredParameters is zerodp.GatheredParameters
     assert callable(zerodp.zero.register_external_parameter)
 
@@ -339,7 +347,9 @@ def test_ops_adagrad_and_lion():
 
 def test_engine_compile_as_deepspeed_and_accelerate_call_it():
     """engine.compile(backend=, compile_kwargs=) runs the model compiled at stages 0-2, with the
-    same numbers; stage 3 refuses it by name."""
+    same numbers; stage 3 refuses it by name. (torch.compile reads ``__file__`` of every module
+    imported, the refused ones such as ``zerodp.moe`` included.)"""
+    import zerodp.moe  # noqa: F401
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 1))
     x = torch.randn(3, 4)

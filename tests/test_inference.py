@@ -37,7 +37,7 @@ def test_streamed_gpt_matches_the_whole_model_with_two_modules_resident(tmp_path
     torch.manual_seed(0)
     ref = build_gpt("small", n_layer=16).eval()
     save_weights(ref, str(tmp_path / "model.safetensors"))
-    with zerodp.zero.Init():
+    with zerodp.zero.Init(meta=True):
         meta = build_gpt("small", n_layer=16).eval()
     model = stream(meta, tmp_path, threshold=10_000)
     x = torch.randint(0, 256, (2, 48))
@@ -54,12 +54,12 @@ def test_streamed_gpt_matches_the_whole_model_with_two_modules_resident(tmp_path
 
 
 def test_streamed_transformers_causal_lm_generates_like_the_whole_model(tmp_path):
-    """A transformers GPT-2 (tied lm_head) built in zerodp.zero.Init() and streamed from its
+    """A transformers GPT-2 (tied lm_head) built in zerodp.zero.Init(meta=True) and streamed from its
     save_pretrained directory generates the whole model's tokens (greedy)."""
     import hf_tasks
     ref = hf_tasks.build_model("gpt2").eval()
     ref.save_pretrained(tmp_path)
-    with zerodp.zero.Init():
+    with zerodp.zero.Init(meta=True):
         meta = hf_tasks.build_model("gpt2").eval()
     model = stream(meta, tmp_path, threshold=500)
     ids = torch.tensor([[1, 5, 9, 2]])
@@ -73,7 +73,7 @@ def test_refuses_weights_held_in_memory(tmp_path):
     save_weights(build_gpt("tiny"), str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match="meta device"):
         stream(build_gpt("tiny"), tmp_path)
-    with zerodp.zero.Init():
+    with zerodp.zero.Init(meta=True):
         other = build_gpt("tiny", n_embd=32)
     with pytest.raises(ValueError, match="shape"):
         stream(other, tmp_path, threshold=1)

@@ -80,7 +80,13 @@ class UnsupportedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module):
         feature = module.__name__.split(".")[1]
-        module.__getattr__ = lambda name: _Refused(feature, f"{module.__name__}.{name}")
+
+        def refused(name: str) -> _Refused:
+            if name.startswith("__"):  # what tools read of every module (__file__, __path__): absent
+                raise AttributeError(f"module {module.__name__!r} has no attribute {name!r}")
+            return _Refused(feature, f"{module.__name__}.{name}")
+
+        module.__getattr__ = refused
 
 
 def install() -> None:

@@ -52,7 +52,11 @@ def _config_dtype(config: Any) -> Optional[torch.dtype]:
 class Init:
     """Build the model inside this context at stage 3 (DeepSpeed's ``zero.Init``; its keyword
     arguments are accepted). ``enabled=False`` builds it normally. ``dtype``, or the 16-bit
-    dtype of ``config_dict_or_path`` (``config``), is the dtype the slices are kept in. Parameters created inside are
+    dtype of ``config_dict_or_path`` (``config``), is the dtype the slices are kept in.
+    ``meta=True`` (zerodp's): keep no values at all, only parameters on the meta device, for a
+    model whose values come later: from ``initialize`` (each unit initialized in turn, so no
+    rank ever holds the whole model, not even its slices) or from weight files
+    (``zerodp.inference.stream``). Buffers stay real either way. Parameters created inside are
     on the meta device, each keeping this rank's slice of its values, until ``zerodp.initialize``
     shards them by units (``data_parallel_group``: the group whose ranks share the slices, the
     world by default; give ``initialize`` the same one). Buffers are real. ``module=`` (an
@@ -61,10 +65,10 @@ class Init:
     def __init__(self, module: Optional[nn.Module] = None, data_parallel_group=None,
                  mem_efficient_linear: bool = True, remote_device: Any = None, pin_memory: bool = False,
                  config_dict_or_path: Any = None, config: Any = None, enabled: bool = True,
-                 dtype: Optional[torch.dtype] = None, mpu: Any = None, **kwargs) -> None:
+                 dtype: Optional[torch.dtype] = None, mpu: Any = None, meta: bool = False, **kwargs) -> None:
         self.enabled = enabled and module is None
-        self._construction = ShardedConstruction(data_parallel_group, dtype or _config_dtype(config_dict_or_path
-                                                                                            or config))
+        self._construction = ShardedConstruction(
+            data_parallel_group, dtype or _config_dtype(config_dict_or_path or config), meta=meta)
 
     def __enter__(self) -> "Init":
         if self.enabled:

@@ -179,18 +179,25 @@ def _module_classes() -> list[type]:
 class ShardedConstruction:
     """While entered: every module built shards its own real parameters when its constructor
     returns, and a parameter registered later on an already built module is sharded at once
-    (``zero.Init``). Not re-entrant across threads: one model is built at a time."""
+    (``zero.Init``); with ``meta``, replaced by parameters on the meta device that keep no values
+    at all. Not re-entrant across threads: one model is built at a time."""
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None, dtype: Optional[torch.dtype] = None) -> None:
-        self.group, self.dtype = group, dtype
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, dtype: Optional[torch.dtype] = None,
+                 meta: bool = False) -> None:
+        self.group, self.dtype, self.meta = group, dtype, meta
         self._wrapped: list[type] = []
         self._handle = None
         self._outer: Optional[ShardedConstruction] = None
 
+    def _replace(self, param: nn.Parameter) -> nn.Parameter:
+        if self.meta:  # no values kept: they come later (initialize's per-unit initialization, weight files)
+            return nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+        return shard_parameter(param, self.group, self.dtype)
+
     def shard_own(self, module: nn.Module) -> None:
         for name, p in list(module._parameters.items()):
             if p is not None and not p.is_meta and init_shard(p) is None:
-                module._parameters[name] = shard_parameter(p, self.group, self.dtype)
+                module._parameters[name] = self._replace(p)
 
     def _on_register(self, module: nn.Module, name: str, param: Optional[nn.Parameter]):
         if param is None or param.is_meta or module.__dict__.get(_DEPTH, 0) > 0:
@@ -198,7 +205,7 @@ class ShardedConstruction:
         old = module._parameters.get(name)
         if old is not None and old.is_meta and init_shard(old) is None:
             return None  # a value put in place of a parameter built on the meta device: kept as is
-        return shard_parameter(param, self.group, self.dtype)
+        return self._replace(param)
 
     def __enter__(self) -> "ShardedConstruction":
         global _active

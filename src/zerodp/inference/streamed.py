@@ -1,7 +1,7 @@
 """Streamed inference (ZeRO-Inference): run a model whose weights stay in safetensors files,
 bringing each module's weights to the compute device just before it runs.
 
-    with zerodp.zero.Init():                      # parameters without storage; buffers real
+    with zerodp.zero.Init(meta=True):             # parameters without storage; buffers real
         model = AutoModelForCausalLM.from_config(config)   # or build_gpt(...)
     model = zerodp.inference.stream(model, "weights_dir_or_file")
     out = model.generate(input_ids, max_new_tokens=20)      # or model(input_ids)
@@ -85,8 +85,8 @@ class StreamedModel(nn.Module):
                     continue
                 if not p.is_meta:
                     raise ValueError(f"{mname}.{pname} is not on the meta device: build the model inside "
-                                     "torch.device('meta') (or zerodp.zero.Init()), so no weight is held twice")
-                adopted(p)  # built in zero.Init: its slice of values is not needed, the weights are read
+                                     "zerodp.zero.Init(meta=True), so no weight is held twice")
+                adopted(p)  # built in zero.Init without meta=True: its slice is not needed, the weights are read
                 self._names[id(p)].append(f"{mname}.{pname}" if mname else pname)
                 self._holders[id(p)].append((mod, pname))
                 self._meta[id(p)] = p

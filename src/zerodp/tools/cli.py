@@ -242,7 +242,7 @@ COMMANDS: dict[str, Command] = {
             "weights in the files: each large module's weights come to the device just before it runs "
             "(the next one read ahead) and leave after, so at most two modules' weights are in memory "
             "at once. The Python API, zerodp.inference.stream, does the same for any model built in "
-            "zerodp.zero.Init(), transformers causal LMs included."),
+            "zerodp.zero.Init(meta=True), transformers causal LMs included."),
         add_arguments=generate.add_arguments,
         run=generate.run,
     ),

@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from ..examples.gpt import build_gpt
     try:
         kwargs = json.loads(args.model_kwargs) if args.model_kwargs else {}
-        with zero.Init():
+        with zero.Init(meta=True):  # no weight held: they stay in the files
             model = build_gpt(args.model, **kwargs).eval()
     except (ValueError, TypeError) as e:
         _error(str(e))
