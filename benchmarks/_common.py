@@ -57,13 +57,13 @@ class Launch:
 
 
 def torchrun(script: str, world: int, script_args: list[str], env: dict,
-             timeout: Optional[float] = None) -> Launch:
+             timeout: Optional[float] = None, python: str = sys.executable) -> Launch:
     """Run ``script`` on ``world`` local ranks with ``python -m torch.distributed.run``.
 
     The launcher gets a session (process group) of its own, so a run past ``timeout``
     seconds is ended with all its workers.
     """
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+    cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
            os.path.abspath(script), *script_args]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -103,6 +103,22 @@ def failure_reason(launch: Launch, limit: int = 160) -> str:
                 and not head.endswith("ChildFailedError")):  # torchrun's own, not the cause
             return bare[:limit]
     return f"exit code {launch.returncode}" + (f": {lines[-1][:limit]}" if lines else "")
+
+
+def python_without_deepspeed(root: str) -> str:
+    """A Python whose site-packages is this one's without DeepSpeed: a virtual environment in
+    ``root`` whose site-packages links every entry of this one's except DeepSpeed's (for
+    ``ZERODP_AS_DEEPSPEED=1``, which refuses beside a real DeepSpeed). Returns its python."""
+    import sysconfig
+    from pathlib import Path
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", os.path.join(root, "venv")], check=True)
+    python = os.path.join(root, "venv", "bin", "python")
+    theirs = Path(subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                 check=True, capture_output=True, text=True).stdout.strip())
+    for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
+        if not entry.name.lower().startswith("deepspeed") and not (theirs / entry.name).exists():
+            (theirs / entry.name).symlink_to(entry)
+    return python
 
 
 # ---------------------------------------------------------------------------- statistics

@@ -1,6 +1,5 @@
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -27,20 +26,14 @@ def pytest_sessionfinish(session, exitstatus):
 
 @pytest.fixture(scope="session")
 def no_deepspeed_python(tmp_path_factory) -> str:
-    """A Python whose site-packages is ours without DeepSpeed: a virtual environment whose
-    site-packages links every entry of ours except DeepSpeed's (the test environment installs the
-    real DeepSpeed, whose checkpoint files some tests read). Made once per session."""
-    root = tmp_path_factory.mktemp("no_deepspeed")
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root / "venv")], check=True)
-    python = root / "venv" / "bin" / "python"
-    theirs = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+    """A Python whose site-packages is ours without DeepSpeed (``benchmarks/_common.py``): the test
+    environment installs the real DeepSpeed, whose checkpoint files some tests read, and beside it
+    ``ZERODP_AS_DEEPSPEED=1`` refuses. Made once per session."""
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    from _common import python_without_deepspeed
+    python = python_without_deepspeed(str(tmp_path_factory.mktemp("no_deepspeed")))
+    theirs = Path(subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                  check=True, capture_output=True, text=True).stdout.strip())
-    ours = Path(sysconfig.get_paths()["purelib"])
-    linked = 0
-    for entry in ours.iterdir():
-        if entry.name.lower().startswith("deepspeed") or (theirs / entry.name).exists():
-            continue
-        (theirs / entry.name).symlink_to(entry)
-        linked += 1
-    assert linked > 10 and not any(p.name.lower().startswith("deepspeed") for p in theirs.iterdir())
-    return str(python)
+    entries = [p.name.lower() for p in theirs.iterdir()]
+    assert len(entries) > 10 and not any(name.startswith("deepspeed") for name in entries)
+    return python
