@@ -1,7 +1,7 @@
 """Memory of model states: what the engine really holds (the ledger).
 
 ``measure_model_states`` walks the engine's real tensors, never a formula, so tests can
-compare it with the ZeRO accounting in SPEC (fp32 Adam: parameters 4Ψ, gradients 4Ψ,
+compare it with the ZeRO accounting (docs/training.md; fp32 Adam: parameters 4Ψ, gradients 4Ψ,
 Adam moments 8Ψ; the sharded parts divided by N, plus padding).
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """``zerodp plot``: charts from the metrics the CSV monitor wrote.
 
 ``zerodp plot RUN_DIR [RUN_DIR ...]`` reads each run's ``metrics.csv`` and ``run_info.json``
-(written by the ``csv_monitor`` config block, see :mod:`zerodp.monitor` and
+(written by the ``csv_monitor`` config block, see :mod:`zerodp.tools.monitor` and
 ``docs/metrics.md``; a directory holding several runs is read at its latest, or pass the
 CSV file itself) and writes three PNG files:
 
