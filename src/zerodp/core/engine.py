@@ -207,8 +207,8 @@ class ZeroEngine(EngineAPI, nn.Module):
         if self.policy.shard_parameters:
             if meta and param_init_fn is None and callable(getattr(model, "_init_weights", None)):
                 param_init_fn = model._init_weights  # a transformers model's own initialization
-            loaded = {id(g.replaced[i]): p for g in self.flat_groups for i, p in built_in_init.items()
-                      if i in g.replaced}
+            replaced = {old: new for g in self.flat_groups for old, new in g.replaced.items()}
+            loaded = {id(replaced[i]): p for i, p in built_in_init.items() if i in replaced}
             self._setup_units(unit_plan, meta, param_init_fn, loaded)
         register_params(self.flat_groups, self.comm, sharded=self.policy.shard_parameters)
         for g in self.trainable:
@@ -269,8 +269,9 @@ class ZeroEngine(EngineAPI, nn.Module):
         on the meta device its values (``loaded``: the slices of those built in ``zero.Init``,
         by parameter id)."""
         for p in loaded.values():
-            if init_shard(p).world != self.dp_world_size:
-                raise ValueError(f"the model was built in zero.Init over {init_shard(p).world} ranks, but the engine's "
+            built_over = init_shard(p).comm.world_size
+            if built_over != self.dp_world_size:
+                raise ValueError(f"the model was built in zero.Init over {built_over} ranks, but the engine's "
                                  f"data-parallel group has {self.dp_world_size}; give Init and initialize the "
                                  "same group")
         for g in self.flat_groups:

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .collectives import Comm
 from .device import default_device
 
 
@@ -51,11 +52,9 @@ class ZeroParamStatus(enum.Enum):
 class InitShard:
     """This rank's slice of a parameter built inside ``zero.Init``."""
 
-    data: torch.Tensor          # 1-D: elements [rank * len, (rank + 1) * len) of the padded flat values
+    data: torch.Tensor          # 1-D: chunk ``comm.rank`` of the flat values, padded to ``comm.world_size`` chunks
     shape: torch.Size
-    group: Optional[dist.ProcessGroup]
-    world: int
-    rank: int
+    comm: Comm                  # the group whose ranks share the slices
 
     @property
     def numel(self) -> int:
@@ -66,35 +65,27 @@ _ATTR = "_zerodp_init_shard"  # in the parameter's __dict__ (torch.utils.swap_te
 _ids = itertools.count()
 
 
-def _group_facts(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(group), dist.get_rank(group)
-    return 1, 0
-
-
-def _slice_of(flat: torch.Tensor, world: int, rank: int) -> torch.Tensor:
-    per = -(-flat.numel() // world)
+def _slice_of(flat: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """Chunk ``comm.rank`` of ``flat`` padded with zeros to ``comm.world_size`` equal chunks."""
+    per = -(-flat.numel() // comm.world_size)
     out = torch.zeros(per, dtype=flat.dtype, device=flat.device)
-    lo, hi = rank * per, min((rank + 1) * per, flat.numel())
+    lo, hi = comm.rank * per, min((comm.rank + 1) * per, flat.numel())
     if hi > lo:
         out[: hi - lo].copy_(flat[lo:hi])
     return out
 
 
-def shard_parameter(param: nn.Parameter, group: Optional[dist.ProcessGroup] = None,
-                    dtype: Optional[torch.dtype] = None) -> nn.Parameter:
+def shard_parameter(param: nn.Parameter, comm: Comm, dtype: Optional[torch.dtype] = None) -> nn.Parameter:
     """A meta parameter shaped like ``param`` that keeps this rank's slice of its values
-    (rank 0's values: broadcast from rank 0 of ``group`` first), in ``dtype`` if given and the
-    parameter is floating point, with DeepSpeed's ``ds_*`` attributes."""
-    world, rank = _group_facts(group)
+    (rank 0's values: broadcast from rank 0 of ``comm``'s group first), in ``dtype`` if given and
+    the parameter is floating point, with DeepSpeed's ``ds_*`` attributes."""
     requires_grad = param.requires_grad
     full = param.detach()
     if dtype is not None and full.is_floating_point():
         full = full.to(dtype)
     full = full.to(default_device()).contiguous()
-    if world > 1:
-        dist.broadcast(full, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-    shard = InitShard(_slice_of(full.reshape(-1), world, rank), param.shape, group, world, rank)
+    comm.broadcast(full, src_rank=0)
+    shard = InitShard(_slice_of(full.reshape(-1), comm), param.shape, comm)
     new = nn.Parameter(torch.empty_like(full, device="meta"), requires_grad=requires_grad)
     setattr(new, _ATTR, shard)
     new.ds_id = next(_ids)
@@ -115,22 +106,17 @@ def init_shard(param: torch.Tensor) -> Optional[InitShard]:
 
 def full_values(shard: InitShard) -> torch.Tensor:
     """The parameter's full values (every rank's slice gathered), shaped like it."""
-    if shard.world == 1:
-        flat = shard.data
-    else:
-        parts = [torch.empty_like(shard.data) for _ in range(shard.world)]
-        dist.all_gather(parts, shard.data, group=shard.group)
-        flat = torch.cat(parts)
-    return flat[: shard.numel].view(shard.shape)
+    full = torch.empty(shard.data.numel() * shard.comm.world_size, dtype=shard.data.dtype, device=shard.data.device)
+    full.chunk(shard.comm.world_size)[shard.comm.rank].copy_(shard.data)
+    shard.comm.all_gather(full)
+    return full[: shard.numel].view(shard.shape)
 
 
 def set_values(shard: InitShard, full: torch.Tensor, src_rank: int) -> None:
     """Make rank ``src_rank``'s ``full`` (its values, shaped like the parameter) every rank's."""
     full = full.detach().to(shard.data.device).contiguous()
-    if shard.world > 1:
-        src = dist.get_global_rank(shard.group, src_rank) if shard.group is not None else src_rank
-        dist.broadcast(full, src=src, group=shard.group)
-    shard.data.copy_(_slice_of(full.reshape(-1), shard.world, shard.rank))
+    shard.comm.broadcast(full, src_rank=src_rank)
+    shard.data.copy_(_slice_of(full.reshape(-1), shard.comm))
 
 
 def adopted(param: torch.Tensor) -> None:
@@ -168,12 +154,12 @@ def _wrap_init(cls: type) -> None:
 
 
 def _module_classes() -> list[type]:
-    seen, todo = [], [nn.Module]
+    seen, todo = {nn.Module}, [nn.Module]
     while todo:
-        cls = todo.pop()
-        seen.append(cls)
-        todo.extend(c for c in cls.__subclasses__() if c not in seen and c not in todo)
-    return seen
+        fresh = [c for c in todo.pop().__subclasses__() if c not in seen]
+        seen.update(fresh)
+        todo.extend(fresh)
+    return list(seen)
 
 
 class ShardedConstruction:
@@ -185,6 +171,7 @@ class ShardedConstruction:
     def __init__(self, group: Optional[dist.ProcessGroup] = None, dtype: Optional[torch.dtype] = None,
                  meta: bool = False) -> None:
         self.group, self.dtype, self.meta = group, dtype, meta
+        self._comm: Optional[Comm] = None  # made on entry, when the group has been started
         self._wrapped: list[type] = []
         self._handle = None
         self._outer: Optional[ShardedConstruction] = None
@@ -192,7 +179,7 @@ class ShardedConstruction:
     def _replace(self, param: nn.Parameter) -> nn.Parameter:
         if self.meta:  # no values kept: they come later (initialize's per-unit initialization, weight files)
             return nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
-        return shard_parameter(param, self.group, self.dtype)
+        return shard_parameter(param, self._comm, self.dtype)
 
     def shard_own(self, module: nn.Module) -> None:
         for name, p in list(module._parameters.items()):
@@ -211,6 +198,7 @@ class ShardedConstruction:
         global _active
         from torch.nn.modules.module import register_module_parameter_registration_hook
 
+        self._comm = Comm(self.group)
         self._outer, _active = _active, self
         if self._outer is None:
             for cls in _module_classes():
