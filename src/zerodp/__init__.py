@@ -24,7 +24,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from . import _moved, accelerator, checkpointing, comm, ops, runtime, unsupported, utils, zero  # noqa: F401 (DeepSpeed's modules)
+from . import _moved, accelerator, checkpointing, comm, ops, parallel, runtime, unsupported, utils, zero  # noqa: F401 (DeepSpeed's modules)
 from ._version import __version__ as __version__
 from .checkpoint import CheckpointError
 from .comm import init_distributed
@@ -33,13 +33,14 @@ from .core import teardown
 from .core.data import DataLoader
 from .core.engine import ZeroEngine
 from .core.param_api import GatheredParameters, register_external_parameter
+from .parallel import tp_model_init
 from .runtime.zero import parameter_offload
 from .tools.estimate import estimate
 from .tools.monitor import monitor_from_config
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "CheckpointError", "GatheredParameters",
            "register_external_parameter", "ZeroEngine", "DeepSpeedEngine", "Config", "ConfigError",
-           "load_config", "PRESETS", "resolve_batch_sizes", "estimate"]
+           "load_config", "PRESETS", "resolve_batch_sizes", "estimate", "tp_model_init"]
 
 #: DeepSpeed's engine class name (for ``isinstance`` checks in ported scripts).
 DeepSpeedEngine = ZeroEngine
@@ -103,6 +104,10 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
       callable taking a list of param groups; otherwise the config's ``optimizer`` block.
     * ``model_parameters``: parameters or param-group dicts with their own hyperparameters.
     * ``process_group``: the data-parallel group (default: the whole world).
+    * ``mpu``, ``mesh_param``: the process grid of tensor parallelism: DeepSpeed's ``mpu`` contract
+      (a model the script split itself, Megatron-style) or a ``DeviceMesh`` with dims named
+      ``dp`` and ``tp``; the config's ``tensor_parallel.autotp_size`` builds one too, and splits
+      the model by its plan (docs/parallel.md).
     * ``preset``: one of ``zero0``..``zero3``, with ``config`` merged over it.
     * ``unit_classes``: stage 3: module classes whose instances are gathered and released as
       units (e.g. the transformer block class); by default units are chosen by size
@@ -116,11 +121,6 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
         raise ValueError("initialize needs model=")
     if config is None:
         config = config_params
-    if mpu is not None or mesh_param is not None:
-        raise unsupported.NotImplementedInZerodp(
-            "zerodp does not implement tensor or pipeline model parallelism (initialize's mpu= and "
-            "mesh_param=): it shards over data-parallel ranks only; pass process_group= for a "
-            "data-parallel group narrower than the world")
     if config is None and args is not None:
         config = (getattr(args, "deepspeed_config", None) or getattr(args, "zerodp_config", None)
                   or getattr(args, "deepscale_config", None))
@@ -132,8 +132,9 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
         cfg = _micro_batch_from_loader(cfg, training_data, collate_fn)
     if dist_init_required is not False:  # from a launcher's environment; alone, no group is needed
         accelerator.init_distributed()
+    grid = parallel.grid_for(model, cfg, mpu=mpu, mesh_param=mesh_param, process_group=process_group)
     if user_loader and training_data.batch_size is not None:  # its batches are the engine's micro-batches
-        world = dist.get_world_size(process_group) if dist.is_initialized() else 1
+        world = grid.dp_size
         micro = resolve_batch_sizes(cfg, world)[1]
         if micro != training_data.batch_size:
             raise ConfigError(
@@ -142,8 +143,8 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
                 "them agree, or leave train_batch_size and train_micro_batch_size_per_gpu out of the config")
     teardown.install()
     engine = ZeroEngine(model, cfg, model_parameters=model_parameters, optimizer=optimizer,
-                        lr_scheduler=lr_scheduler, process_group=process_group,
-                        unit_classes=unit_classes, param_init_fn=param_init_fn)
+                        lr_scheduler=lr_scheduler, unit_classes=unit_classes,
+                        param_init_fn=param_init_fn, grid=grid)
     engine.monitor = monitor_from_config(cfg, engine)
     if engine.policy.shard_parameters:
         parameter_offload.attach(engine)  # what TRL's generation helpers touch

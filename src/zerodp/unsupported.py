@@ -30,7 +30,6 @@ NOT_IMPLEMENTED: dict[str, str] = {
     "autotuning": "the autotuner (deepspeed.autotuning)",
     "profiling": "the FLOPs profiler (deepspeed.profiling)",
     "elasticity": "elastic batch sizes (deepspeed.elasticity)",
-    "tp_model_init": "automatic tensor parallelism (deepspeed.tp_model_init)",
     "linear": "LoRA-optimized linear layers (deepspeed.linear)",
     "OnebitAdam": "1-bit Adam", "OnebitLamb": "1-bit LAMB", "ZeroOneAdam": "0/1 Adam",
 }

@@ -199,27 +199,37 @@ def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir,
 
 def consolidated_16bit_state_dict(view: CheckpointView, exclude_frozen_parameters: bool = False
                                   ) -> "OrderedDict[str, torch.Tensor]":
-    """The full model's weights in the compute dtype (gathered group by group at stage 3) and
-    persistent buffers, on the CPU, in the module's state-dict order, on rank 0; an empty dict
-    on the other ranks. Every rank must call it."""
+    """The full model's weights in the compute dtype (gathered group by group at stage 3, a
+    split parameter's tensor-parallel slices put together) and persistent buffers, on the CPU,
+    in the module's state-dict order, on rank 0; an empty dict on the other ranks. Every rank
+    must call it."""
     state: "OrderedDict[str, torch.Tensor]" = OrderedDict()
     aliases: dict[int, list[str]] = {}
     for name, p in view.module.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
+    first = view.writer_rank == 0
     for g in view.flat_groups:
         if exclude_frozen_parameters and not g.trainable:
             continue
         gathered_here = g.shards_parameters and not g.gathered
         if gathered_here:
             g.gather(view.comm)
-        if view.dp_rank == 0:
-            for i, (slot, p) in enumerate(zip(g.slots, g.params)):
-                value = g.view(g.full, i).detach().to("cpu", copy=True)
+        for i, (slot, p) in enumerate(zip(g.slots, g.params)):
+            value = g.view(g.full, i).detach()
+            if slot.tp is not None:  # every tensor rank's slice, put in its place
+                slices = view.tensor_comm.all_gather_list(value)
+                if first:
+                    whole = torch.empty(slot.tp.shape, dtype=value.dtype)
+                    for t, part in enumerate(slices):
+                        slot.tp.place(whole, part.cpu(), t)
+                    value = whole
+            if first:
+                value = value.to("cpu", copy=True)
                 for name in aliases.get(id(p), [slot.name]):
                     state[name] = value
         if gathered_here:
             g.release()
-    if view.dp_rank != 0:
+    if not first:
         return state
     managed = {id(p) for g in view.flat_groups for p in g.params}
     for name, p in view.module.named_parameters():
@@ -235,10 +245,10 @@ def save_16bit_model(view: CheckpointView, save_dir, save_filename: str = "pytor
                      exclude_frozen_parameters: bool = False) -> bool:
     """Gather the full weights in the compute dtype and write them from rank 0 (see
     ``ZeroEngine.save_16bit_model``)."""
-    coord = Coordinator(view.comm)
+    coord = Coordinator(view.coord_comm)
     state = consolidated_16bit_state_dict(view, exclude_frozen_parameters)
     err = None
-    if view.dp_rank == 0:
+    if view.writer_rank == 0:
         try:
             path = Path(save_dir)
             path.mkdir(parents=True, exist_ok=True)

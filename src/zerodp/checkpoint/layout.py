@@ -3,7 +3,11 @@
 Every flat group is cut into one range per rank and rank ``r`` writes range ``r`` into its own
 tensor file: its shard at stages 1-3, where the group is partitioned over the ranks, and at
 stage 0, where every rank holds everything, the ``r``-th of N equal slices, so the ranks
-share the writing and the checkpoint holds each element once. For its range a rank writes:
+share the writing and the checkpoint holds each element once (``save_range``; hybrid replicas
+share their shard the same way). Under tensor parallelism every tensor-parallel rank writes its
+own file of its own slices (file ``data rank x tensor size + tensor rank``); a parameter
+replicated over the tensor-parallel ranks is written by tensor rank 0 only. For its range a
+rank writes:
 
 * ``g{i}.value``: the parameters' values: the fp32 master where the run keeps one (16-bit
   training), otherwise the parameters themselves;
@@ -20,7 +24,11 @@ The index (``index.json``, written by rank 0) maps every parameter name to its s
 param group, optimizer-state keys and scalars, and its pieces: ``{rank, prefix, at, start,
 stop}`` says that elements ``[start, stop)`` of the flattened parameter are elements
 ``[at, at + stop - start)`` of tensor ``{prefix}.value`` (and ``{prefix}.state.{key}``) in
-that rank's file. Nothing in it depends on the world size or stage of the run that reads it.
+that rank's file. A parameter split over tensor-parallel ranks has its unsplit shape, a ``tp``
+entry (``dim``, ``size``, ``blocks``: see ``parallel/tensor.py``'s ``TPSlice``) and pieces that
+also name the ``tp`` rank whose slice they hold: ``start`` and ``stop`` then count elements of
+that slice, flattened. Nothing in it depends on the world size, grid or stage of the run that
+reads it.
 """
 from __future__ import annotations
 
@@ -46,13 +54,21 @@ def rank_json(rank: int) -> str:
 
 
 def save_range(g: FlatGroup, rank: int, world: int) -> tuple[int, int]:
-    """Elements [lo, hi) of ``g``'s full buffer that ``rank`` writes."""
-    if g.partitions == world:
-        lo = min(rank * g.shard_numel, g.numel)
-        return lo, min(lo + g.shard_numel, g.numel)
-    size = -(-g.numel // world)
-    lo = min(rank * size, g.numel)
-    return lo, min(lo + size, g.numel)
+    """Elements [lo, hi) of ``g``'s full buffer that data-parallel ``rank`` of ``world`` writes:
+    its shard where the group is partitioned over the ranks; the ``rank``-th of ``world`` equal
+    slices where every rank holds it all (stage 0); with hybrid sharding (``world`` =
+    replicas x shards, data rank = replica x shards + shard) its shard's ``replica``-th slice,
+    so the replicas share the writing of the shard they all hold."""
+    if g.partitions == 1:
+        size = -(-g.numel // world)
+        lo = min(rank * size, g.numel)
+        return lo, min(lo + size, g.numel)
+    shards = g.partitions
+    shard, replica, replicas = rank % shards, rank // shards, world // shards
+    first, last = min(shard * g.shard_numel, g.numel), min((shard + 1) * g.shard_numel, g.numel)
+    size = -(-(last - first) // replicas)
+    lo = min(first + replica * size, last)
+    return lo, min(lo + size, last)
 
 
 def model_aliases(module: torch.nn.Module) -> dict[str, str]:
@@ -110,15 +126,18 @@ class RankPlan:
     def __init__(self, view: CheckpointView, *, exclude_frozen: bool = False) -> None:
         self.view, self.exclude_frozen = view, exclude_frozen
         world, rank = view.dp_world_size, view.dp_rank
-        self.rank, self.world = rank, world
+        self.dp_rank, self.dp_world = rank, world
+        self.rank, self.world = view.writer_rank, view.writer_count
         self.specs: list[TensorSpec] = []
         self._sources: dict[str, Any] = {}  # name -> tensor, or callable yielding parts
         self.extra_tensors: dict[str, torch.Tensor] = {}
-        self.json: dict = {"rank": rank, "world_size": world, "groups": {}}
+        self.json: dict = {"rank": self.rank, "world_size": self.world, "groups": {}}
         opt_state = view.optimizer.state
         self.parts: list[_Part] = []
         for g in view.flat_groups:
             if exclude_frozen and not g.trainable:
+                continue
+            if not g.tp_split and view.tp_rank != 0:  # the same on every tensor rank: rank 0 writes it
                 continue
             lo, hi = save_range(g, rank, world)
             if lo >= hi:
@@ -208,22 +227,31 @@ class RankPlan:
 
     def index_skeleton(self) -> dict:
         """The index without what only the other ranks know (state keys, scalars, file records)."""
-        view, world, exclude_frozen = self.view, self.world, self.exclude_frozen
+        view, world, exclude_frozen = self.view, self.dp_world, self.exclude_frozen
+        tp_size = view.tp_size
         params: dict[str, dict] = {}
         for g in view.flat_groups:
             if exclude_frozen and not g.trainable:
                 continue
             value_dtype = torch.float32 if view.precision.keeps_master(g.dtype) and g.trainable else g.dtype
             for s in g.slots:
-                params[s.name] = {"shape": list(s.shape), "dtype": dtype_name(value_dtype),
+                params[s.name] = {"shape": list(s.tp.shape if s.tp is not None else s.shape),
+                                  "dtype": dtype_name(value_dtype),
                                   "param_group": g.param_group if g.trainable else None,
                                   "state_keys": [], "scalars": None, "pieces": []}
+                if s.tp is not None:
+                    params[s.name]["tp"] = s.tp.as_dict()
+            # every tensor rank's groups are laid out alike (its slices have the same shapes)
             for r in range(world):
                 lo, hi = save_range(g, r, world)
-                for sp in g.pieces_in(lo, hi):
-                    params[g.slots[sp.slot].name]["pieces"].append(
-                        {"rank": r, "prefix": f"g{g.index}", "at": sp.shard_lo, "start": sp.param_lo,
-                         "stop": sp.param_lo + sp.shard_hi - sp.shard_lo, "group": g.index, "piece": None})
+                for t in range(tp_size) if g.tp_split else [0]:
+                    for sp in g.pieces_in(lo, hi):
+                        piece = {"rank": r * tp_size + t, "prefix": f"g{g.index}", "at": sp.shard_lo,
+                                 "start": sp.param_lo, "stop": sp.param_lo + sp.shard_hi - sp.shard_lo,
+                                 "group": g.index, "piece": None}
+                        if g.tp_split:
+                            piece["tp"] = t
+                        params[g.slots[sp.slot].name]["pieces"].append(piece)
         # number each piece within its (rank, group) so rank records can be merged
         counters: dict[tuple[int, int], int] = {}
         for entry in params.values():
@@ -237,7 +265,8 @@ class RankPlan:
                             "state_keys": [], "scalars": None,
                             "pieces": [{"rank": 0, "prefix": f"extra.{name}", "at": 0, "start": 0,
                                         "stop": p.numel(), "group": None, "piece": None}]}
-        return {"format": FORMAT, "version": VERSION, "world_size": world,
+        return {"format": FORMAT, "version": VERSION, "world_size": self.world,
+                "grid": {"data": world, "tensor": tp_size},
                 "zero_stage": view.zero_stage, "compute_dtype": view.compute_dtype,
                 "params": {n: params[n] for n in order},
                 "aliases": model_aliases(view.module),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from pathlib import Path
 from typing import Any, Optional
@@ -121,6 +122,7 @@ class ZerodpSource(Source):
                     raise CheckpointError(f"{self.path / name} is missing: the checkpoint was written by "
                                           f"{self.world_size} ranks and each wrote one such file")
         self._files: dict[str, TensorFile] = {}
+        self._split_cache: Optional[tuple] = None
         self.params = {}
         for name, e in index["params"].items():
             self.params[name] = ParamInfo(name, tuple(e["shape"]), dtype_from_name(e["dtype"]),
@@ -164,22 +166,58 @@ class ZerodpSource(Source):
 
     def read(self, reads: list[Read]) -> None:
         per_file: dict[str, list] = {}
+        split = []
         for rd in reads:
             info = self.params.get(rd.name)
             if info is None:
                 raise CheckpointError(f"{self.path}: no parameter {rd.name!r}")
             if rd.kind != VALUE and rd.kind not in info.state_keys:
                 raise CheckpointError(f"{self.path}: parameter {rd.name!r} has no optimizer state {rd.kind!r}")
-            suffix = "value" if rd.kind == VALUE else f"state.{rd.kind}"
-            for pc in self.index["params"][rd.name]["pieces"]:
-                a, b = max(rd.lo, pc["start"]), min(rd.hi, pc["stop"])
-                if a >= b:
-                    continue
-                at = pc["at"] + a - pc["start"]
-                per_file.setdefault(rank_file(pc["rank"]), []).append(
-                    (f"{pc['prefix']}.{suffix}", at, at + b - a, rd.out[a - rd.lo:b - rd.lo]))
+            if "tp" in self.index["params"][rd.name]:
+                split.append(rd)
+                continue
+            self._requests(rd.name, rd.kind, rd.lo, rd.hi, rd.out, per_file)
         for name, requests in sorted(per_file.items()):
             self.file(name).read_ranges(requests)
+        for rd in split:
+            rd.out.copy_(self._whole_split(rd.name, rd.kind, rd.out.dtype).reshape(-1)[rd.lo:rd.hi])
+
+    def _requests(self, name: str, kind: str, lo: int, hi: int, out: torch.Tensor, per_file: dict,
+                  tp_rank: Optional[int] = None) -> None:
+        """Add the file reads that fill ``out`` with elements ``[lo, hi)`` of parameter ``name``
+        (of tensor rank ``tp_rank``'s slice of it, for a split parameter)."""
+        suffix = "value" if kind == VALUE else f"state.{kind}"
+        for pc in self.index["params"][name]["pieces"]:
+            if pc.get("tp") != tp_rank:
+                continue
+            a, b = max(lo, pc["start"]), min(hi, pc["stop"])
+            if a >= b:
+                continue
+            at = pc["at"] + a - pc["start"]
+            per_file.setdefault(rank_file(pc["rank"]), []).append(
+                (f"{pc['prefix']}.{suffix}", at, at + b - a, out[a - lo:b - lo]))
+
+    def _whole_split(self, name: str, kind: str, dtype: torch.dtype) -> torch.Tensor:
+        """The whole of a parameter split over tensor ranks (or of one of its optimizer states):
+        every tensor rank's slice read and put in its place. The last one is kept, so reads of
+        one parameter in several ranges read it once."""
+        key = (name, kind, dtype)
+        if self._split_cache is not None and self._split_cache[0] == key:
+            return self._split_cache[1]
+        from ..parallel.tensor import TPSlice
+        tp = self.index["params"][name]["tp"]
+        shape = tuple(self.params[name].shape)
+        whole = torch.empty(shape, dtype=dtype)
+        for t in range(tp["size"]):
+            piece = TPSlice(tp["dim"], tp["size"], t, shape, tp["blocks"])
+            local = torch.empty(piece.local_shape(), dtype=dtype)
+            per_file: dict[str, list] = {}
+            self._requests(name, kind, 0, local.numel(), local.view(-1), per_file, tp_rank=t)
+            for fname, requests in sorted(per_file.items()):
+                self.file(fname).read_ranges(requests)
+            piece.place(whole, local, t)
+        self._split_cache = (key, whole)
+        return whole
 
     def scalar_state(self, name: str) -> Optional[dict[str, float]]:
         return self.index["params"][name].get("scalars")
@@ -228,9 +266,9 @@ def _match_names(view: CheckpointView, src: Source, strict: bool) -> dict[str, s
     model_alias = model_aliases(module)
     names = [n for n, _ in module.named_parameters()]
     shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
-    for g in view.flat_groups:  # stage 3: the module's parameters are empty views
+    for g in view.flat_groups:  # stage 3: the module's parameters are empty views; split ones, slices
         for s in g.slots:
-            shapes[s.name] = tuple(s.shape)
+            shapes[s.name] = tuple(s.tp.shape if s.tp is not None else s.shape)
     others: dict[str, list[str]] = {}
     for alias, canon in model_alias.items():
         others.setdefault(canon, []).append(alias)
@@ -285,17 +323,19 @@ def _check_optimizer(view: CheckpointView, src: Source) -> None:
 
 
 def _read_plan(view: CheckpointView, src: Source, mapping: dict[str, str], with_optimizer: bool) -> _Plan:
-    plan, reads = _Plan(), []
+    plan, reads, split_reads = _Plan(), [], []
     for g in view.flat_groups:
         value_dtype = torch.float32 if g.master is not None else g.dtype
         pps = g.piece_params if g.trainable else [None] * len(g.pieces)
         for pc, pp in zip(g.pieces, pps):
-            name = g.slots[pc.slot].name
-            if name not in mapping:
+            slot = g.slots[pc.slot]
+            if slot.name not in mapping:
                 continue
-            cname, n = mapping[name], pc.shard_hi - pc.shard_lo
+            cname, n = mapping[slot.name], pc.shard_hi - pc.shard_lo
+            # a slice of a split parameter: read the whole (any layout the checkpoint has) and cut it
+            do = reads.append if slot.tp is None else (lambda rd, tp=slot.tp: split_reads.append((tp, rd)))
             out = torch.empty(n, dtype=value_dtype, device=g.device)
-            reads.append(Read(cname, VALUE, pc.param_lo, pc.param_lo + n, out))
+            do(Read(cname, VALUE, pc.param_lo, pc.param_lo + n, out))
             plan.values.append((g, pc, out))
             info = src.params[cname]
             if not (with_optimizer and pp is not None and info.state_keys):
@@ -303,7 +343,7 @@ def _read_plan(view: CheckpointView, src: Source, mapping: dict[str, str], with_
             state: dict[str, Any] = {}
             for key in info.state_keys:
                 buf = torch.empty(n, dtype=pp.dtype, device=pp.device)
-                reads.append(Read(cname, key, pc.param_lo, pc.param_lo + n, buf))
+                do(Read(cname, key, pc.param_lo, pc.param_lo + n, buf))
                 state[key] = buf
             scalars = src.scalar_state(cname) or {}
             types = src.scalar_types(cname) if hasattr(src, "scalar_types") else {}
@@ -320,6 +360,10 @@ def _read_plan(view: CheckpointView, src: Source, mapping: dict[str, str], with_
             reads.append(Read(cname, VALUE, 0, p.numel(), out))
             plan.loose[name] = out
     src.read(reads)
+    for tp, rd in split_reads:  # one parameter at a time: its whole, then this rank's slice of it
+        whole = torch.empty(math.prod(tp.shape), dtype=rd.out.dtype)
+        src.read([Read(rd.name, rd.kind, 0, whole.numel(), whole)])
+        rd.out.copy_(tp.take(whole.view(tp.shape)).reshape(-1)[rd.lo:rd.hi])
     wanted = persistent_buffers(view.module)
     if src.buffer_names:
         got = src.read_buffers()
@@ -357,7 +401,7 @@ def load_into_engine(view: CheckpointView, src: Source, *, strict: bool = True,
                      load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                      load_module_only: bool = False) -> dict:
     """Fill the engine behind ``view`` from ``src`` (see module docstring); returns the client state."""
-    coord = Coordinator(view.comm)
+    coord = Coordinator(view.coord_comm)
     with_optimizer = load_optimizer_states and not load_module_only
     err, plan = None, None
     try:
@@ -366,8 +410,8 @@ def load_into_engine(view: CheckpointView, src: Source, *, strict: bool = True,
             _check_optimizer(view, src)
         plan = _read_plan(view, src, mapping, with_optimizer)
         rng = None
-        if not load_module_only and isinstance(src, ZerodpSource) and src.world_size == view.dp_world_size:
-            rng = src.rank_record(view.dp_rank).get("rng")
+        if not load_module_only and isinstance(src, ZerodpSource) and src.world_size == view.writer_count:
+            rng = src.rank_record(view.writer_rank).get("rng")
     except Exception as e:  # noqa: BLE001 - reported to every rank
         err = e
     coord.agree(err, f"loading {src.describe()}")
@@ -406,10 +450,10 @@ def load_into_engine(view: CheckpointView, src: Source, *, strict: bool = True,
         view.restore_step_counters(st.global_steps, st.global_steps * view.gradient_accumulation_steps,
                                    st.skipped_steps)
         if rng is not None:
-            restore_rng(rng, lambda key: src.file(rank_file(view.dp_rank)).read(key))
-        elif view.dp_rank == 0 and isinstance(src, ZerodpSource):
+            restore_rng(rng, lambda key: src.file(rank_file(view.writer_rank)).read(key))
+        elif view.writer_rank == 0 and isinstance(src, ZerodpSource):
             logger.info("RNG states not restored: the checkpoint was written by %d ranks, this run has %d",
-                        src.world_size, view.dp_world_size)
+                        src.world_size, view.writer_count)
         loader = view.training_dataloader
         if src.data_loader is not None and hasattr(loader, "load_state_dict"):
             loader.load_state_dict(src.data_loader)

@@ -353,7 +353,7 @@ class Checkpointer:
         view = self.view
         save_dir = Path(save_dir)
         tag = str(tag) if tag is not None else f"global_step{view.global_steps}"
-        coord = Coordinator(view.comm)
+        coord = Coordinator(view.coord_comm)
         err, plan, index = None, None, None
         try:
             check_tag(tag)
@@ -362,7 +362,7 @@ class Checkpointer:
             plan.json["rng"] = capture_rng(rng_tensors)
             for k, v in rng_tensors.items():
                 plan.add_whole(k, v)
-            if view.dp_rank == 0:
+            if view.writer_rank == 0:
                 index = self._index(plan, tag, client_state)
         except Exception as e:  # noqa: BLE001 - reported to every rank
             err = e
@@ -372,7 +372,7 @@ class Checkpointer:
             raise CheckpointError(f"save_checkpoint: the ranks passed different tags (this rank: {tag!r}); "
                                   "pass the same tag on every rank, or none")
         err = None
-        if view.dp_rank == 0:
+        if view.writer_rank == 0:
             try:
                 save_dir.mkdir(parents=True, exist_ok=True)
                 for stale in sorted(save_dir.glob(".*.partial")):
@@ -388,7 +388,7 @@ class Checkpointer:
         if self.staging is None:
             self.staging = Staging()
         job = _Job(plan, index, save_dir, tag, save_latest, staging=self.staging)
-        background = Coordinator(view.comm, separate=True)
+        background = Coordinator(view.coord_comm, separate=True)
         self._what = str(save_dir / tag)
 
         def run() -> None:

@@ -195,6 +195,14 @@ class ZeroConfig(_Section):
                                    "piece larger than this, and with 0 every parameter, is a tile of its own).")
     cpu_offload: bool = Field(False, description='Legacy DeepSpeed switch: true means offload_optimizer '
                                                  '{"device": "cpu"}.')
+    mics_shard_size: int = Field(
+        -1, description="Hybrid sharding (stages 1-3): shard model states inside groups of this many consecutive "
+                        "data-parallel ranks and replicate across the groups (gradients reduce-scattered inside a "
+                        "group, then summed across groups once per step; stage 3 gathers inside a group). -1 or "
+                        "1: shard over every data-parallel rank.")
+    zero_hpz_partition_size: _Positive = Field(
+        1, description="DeepSpeed's hpZ size; zerodp gives it mics_shard_size's meaning (all model states "
+                       "sharded inside groups of this size, replicated across them). 1: off.")
 
     @model_validator(mode="after")
     def _offload_fits_stage(self) -> "ZeroConfig":
@@ -205,6 +213,11 @@ class ZeroConfig(_Section):
                              "whole on every rank (use stage 1 or higher to offload it)")
         if self.param_offload != "none" and self.stage != 3:
             raise ValueError("allowed: offload_param at stage 3 only, where parameters are sharded")
+        if max(self.mics_shard_size, self.zero_hpz_partition_size) > 1 and self.stage == 0:
+            raise ValueError("allowed: mics_shard_size / zero_hpz_partition_size at stages 1-3 (stage 0 "
+                             "shards nothing)")
+        if self.mics_shard_size == 0 or self.mics_shard_size < -1:
+            raise ValueError(f"mics_shard_size: allowed: -1 (off) or a size >= 1, got {self.mics_shard_size}")
         if self.param_offload != "none" and self.optimizer_offload == "none":
             raise ValueError("allowed: offload_param together with offload_optimizer (the step updates "
                              "the parameter shards where they live, on the host)")
@@ -224,6 +237,38 @@ class ZeroConfig(_Section):
     def overlap_comm_effective(self) -> bool:
         """``overlap_comm`` with DeepSpeed's default applied (on only for stage 3)."""
         return self.stage == 3 if self.overlap_comm is None else self.overlap_comm
+
+
+class TPSizeConfig(_Section):
+    """``tensor_parallel.tp``: DeepSpeed's older spelling of the tensor-parallel size."""
+
+    tp_size: _Positive = Field(1, description="Tensor-parallel size (the same as autotp_size).")
+
+
+class TensorParallelConfig(_Section):
+    """The ``tensor_parallel`` block (DeepSpeed's AutoTP keys)."""
+
+    autotp_size: _NonNegative = Field(
+        0, description="Split the model's layers over this many adjacent ranks (Megatron-style tensor "
+                       "parallelism, on torch's DTensor); ZeRO shards over the data-parallel ranks between the "
+                       "groups. 0 or 1: off. The model's plan comes from partition_config, its transformers "
+                       "tp_plan, or zerodp's plan for the example GPT and GPT-2 (docs/parallel.md).")
+    tp: TPSizeConfig = Field(default_factory=TPSizeConfig, description="DeepSpeed's older tp_size block.")
+    partition_config: dict[str, Any] | None = Field(
+        None, description='Which layers are split: {"layer_specs": [{"patterns": [regex over parameter names], '
+                          '"partition_type": "column" | "row" | "skip", "shape": [k, -1] for a weight fused from '
+                          'k blocks}]}, as DeepSpeed\'s AutoTP reads it.')
+    dtype: Any = Field(None, description="Accepted for compatibility: the dtype comes from the bf16/fp16 blocks.")
+    tp_overlap_comm: bool = Field(False, description="Accepted for compatibility (no effect).")
+
+    @property
+    def size(self) -> int:
+        """The tensor-parallel size (1: off)."""
+        sizes = {s for s in (self.autotp_size, self.tp.tp_size) if s > 1}
+        if len(sizes) > 1:
+            raise ConfigError(f"tensor_parallel: autotp_size {self.autotp_size} and tp.tp_size {self.tp.tp_size} "
+                              "differ; give one")
+        return next(iter(sizes), 1)
 
 
 class OptimizerConfig(_Section):
@@ -354,6 +399,8 @@ class Config(_Section):
         None, description="Optimizer built by the engine; null if you pass your own.")
     scheduler: SchedulerConfig | None = Field(None, description="Learning-rate scheduler built by the engine.")
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig, description="ZeRO settings.")
+    tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig,
+                                                  description="Tensor parallelism (docs/parallel.md).")
     bf16: BF16Config = Field(default_factory=BF16Config, description="bfloat16 mixed precision.")
     fp16: FP16Config = Field(default_factory=FP16Config, description="float16 mixed precision with loss scaling.")
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = Field(

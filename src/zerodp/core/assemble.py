@@ -6,6 +6,7 @@ every rank starts from, the optimizer over this rank's pieces, and the learning-
 from __future__ import annotations
 
 import warnings
+from typing import Optional
 
 import torch
 from torch import nn
@@ -14,7 +15,7 @@ from ..config import Config, ConfigError
 from ..optim import build_scheduler, check_elementwise
 from ..optim.build import optimizer_from_config
 from .collectives import Comm
-from .flat import FlatGroup
+from .flat import FlatGroup, local_tensor
 from .gather import external_users
 
 
@@ -57,16 +58,19 @@ def user_param_groups(module: nn.Module, model_parameters, optimizer) -> list[di
 
 
 def build_flat_groups(module: nn.Module, groups: list[dict], unit_of: dict[int, int], bucket_numel: int,
-                      partitions: int, rank: int, device: torch.device) -> list[FlatGroup]:
+                      partitions: int, rank: int, device: torch.device,
+                      tp_of: Optional[dict] = None) -> list[FlatGroup]:
     """Cut parameters into flat groups of at most ``reduce_bucket_size`` elements.
 
     Parameters are taken in reverse registration order (roughly the order backward
     produces their gradients), one open bucket per (param group, dtype, trained or not,
-    stage-3 unit);
+    stage-3 unit, split over the tensor-parallel ranks or not); sizes count this rank's
+    local tensors;
     groups are numbered by the position of their last parameter, so that group order
     is the order in which they are expected to become ready.
     """
     group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
+    tp_of = tp_of or {}
     named = list(module.named_parameters())
     left_out = [n for n, p in named if p.requires_grad and id(p) not in group_of]
     if left_out:
@@ -80,12 +84,13 @@ def build_flat_groups(module: nn.Module, groups: list[dict], unit_of: dict[int, 
     order = [(n, p) for n, p in reversed(named) if id(p) in group_of or not p.requires_grad]
     for pos, (name, p) in enumerate(order):
         key = (group_of.get(id(p), -1), p.dtype, p.requires_grad and id(p) in group_of,
-               unit_of.get(id(p), 0))
+               unit_of.get(id(p), 0), id(p) in tp_of)
+        numel = local_tensor(p).numel()
         bucket = open_buckets.setdefault(key, [])
-        if bucket and open_sizes[key] + p.numel() > cap:
+        if bucket and open_sizes[key] + numel > cap:
             closed.append((pos - 1, key, bucket))
             bucket = open_buckets[key] = []
-        open_sizes[key] = (open_sizes[key] if bucket else 0) + p.numel()
+        open_sizes[key] = (open_sizes[key] if bucket else 0) + numel
         bucket.append((name, p))
     last_pos = {n: pos for pos, (n, _) in enumerate(order)}
     for key, bucket in open_buckets.items():
@@ -93,7 +98,7 @@ def build_flat_groups(module: nn.Module, groups: list[dict], unit_of: dict[int, 
             closed.append((last_pos[bucket[-1][0]], key, bucket))
     closed.sort(key=lambda c: c[0])
     return [FlatGroup(i, bucket, param_group=max(key[0], 0), trainable=key[2], unit=key[3],
-                      partitions=partitions, rank=rank, device=device)
+                      partitions=partitions, rank=rank, device=device, tp_of=tp_of)
             for i, (_, key, bucket) in enumerate(closed)]
 
 

@@ -32,19 +32,35 @@ COLLECTIVE_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "control")
 
 
 class CommCounter:
-    """Bytes moved per collective kind, for the step in progress and the last finished step."""
+    """Bytes moved (and collectives issued) per process group and collective kind, for the step
+    in progress and the last finished step. One counter serves all the groups of an engine (the
+    data-parallel group, and with a process grid the tensor, replica and whole-grid groups), each
+    ``Comm`` adding under its ``label``."""
 
     def __init__(self) -> None:
-        self.current: dict[str, int] = defaultdict(int)
-        self.last_step: dict[str, int] = {k: 0 for k in COLLECTIVE_KINDS}
+        self.current: dict[tuple[str, str], int] = defaultdict(int)
+        self.current_calls: dict[str, int] = defaultdict(int)
+        self.last_by_group: dict[str, dict[str, int]] = {}
+        self.last_calls: dict[str, int] = {}
 
-    def add(self, kind: str, nbytes: float) -> None:
-        self.current[kind] += int(round(nbytes))
+    def add(self, kind: str, nbytes: float, group: str = "data", calls: int = 1) -> None:
+        self.current[(group, kind)] += int(round(nbytes))
+        self.current_calls[group] += calls
 
     def close_step(self) -> None:
         """Make the counts so far the last step's, and start counting afresh."""
-        self.last_step = {k: self.current.get(k, 0) for k in COLLECTIVE_KINDS}
+        by_group: dict[str, dict[str, int]] = {}
+        for (group, kind), n in self.current.items():
+            by_group.setdefault(group, {k: 0 for k in COLLECTIVE_KINDS})[kind] += n
+        self.last_by_group = by_group
+        self.last_calls = dict(self.current_calls)
         self.current = defaultdict(int)
+        self.current_calls = defaultdict(int)
+
+    @property
+    def last_step(self) -> dict[str, int]:
+        """Bytes of the last step per collective kind, over all groups."""
+        return {k: sum(g.get(k, 0) for g in self.last_by_group.values()) for k in COLLECTIVE_KINDS}
 
 
 class Handle:
@@ -75,12 +91,15 @@ class Comm:
     Its facts: ``distributed`` (a process group is initialized), ``world_size`` and ``rank``
     within ``group``, ``backend`` (``"nccl"``, ``"gloo"``, or ``"none"`` without one),
     ``global_ranks`` (the global rank of each rank of ``group``, in group order), and
-    ``counter`` (the bytes moved, ``CommCounter``).
+    ``counter`` (the bytes moved, ``CommCounter``, shared by the comms of one engine), to which
+    it adds under ``label`` (the group's role: ``"data"``, ``"tensor"``, ``"replica"``, ...).
     """
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None) -> None:
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, label: str = "data",
+                 counter: Optional[CommCounter] = None) -> None:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.group = group
+        self.label = label
         if self.distributed:
             self.world_size = dist.get_world_size(group)
             self.rank = dist.get_rank(group)
@@ -90,7 +109,18 @@ class Comm:
         else:
             self.world_size, self.rank, self.backend = 1, 0, "none"
             self.global_ranks = [0]
-        self.counter = CommCounter()
+        self.counter = counter if counter is not None else CommCounter()
+
+    @classmethod
+    def alone(cls, label: str = "data", counter: Optional[CommCounter] = None) -> "Comm":
+        """The collectives of a group of one rank (this one): each is a no-op. For an axis of a
+        process grid that has size one, which has no process group of its own."""
+        comm = cls.__new__(cls)
+        comm.distributed, comm.group, comm.label = False, None, label
+        comm.world_size, comm.rank, comm.backend = 1, 0, "none"
+        comm.global_ranks = [dist.get_rank() if dist.is_available() and dist.is_initialized() else 0]
+        comm.counter = counter if counter is not None else CommCounter()
+        return comm
 
     @property
     def use_tensor_forms(self) -> bool:
@@ -104,7 +134,7 @@ class Comm:
         n = self.world_size
         if n == 1:
             return self._finish(Handle([], then), async_op)
-        self.counter.add(kind, 2 * tensor.numel() * tensor.element_size() * (n - 1) / n)
+        self.counter.add(kind, 2 * tensor.numel() * tensor.element_size() * (n - 1) / n, self.label)
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         return self._finish(Handle([work], then), async_op)
 
@@ -119,7 +149,7 @@ class Comm:
         n = self.world_size
         if n == 1:
             return self._finish(Handle([], then), async_op)
-        self.counter.add("reduce_scatter", full.numel() * full.element_size() * (n - 1) / n)
+        self.counter.add("reduce_scatter", full.numel() * full.element_size() * (n - 1) / n, self.label)
         chunks = full.chunk(n)
         if self.use_tensor_forms:
             works = [dist.reduce_scatter_single(chunks[self.rank], full, op=dist.ReduceOp.SUM,
@@ -139,7 +169,7 @@ class Comm:
         n = self.world_size
         if n == 1:
             return self._finish(Handle([], then), async_op)
-        self.counter.add("all_gather", full.numel() * full.element_size() * (n - 1) / n)
+        self.counter.add("all_gather", full.numel() * full.element_size() * (n - 1) / n, self.label)
         chunks = full.chunk(n)
         if self.use_tensor_forms:
             works = [dist.all_gather_single(full, chunks[self.rank], group=self.group, async_op=True)]
@@ -156,9 +186,18 @@ class Comm:
         device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else None
         mine = torch.tensor(values, dtype=torch.int64, device=device)
         out = [torch.empty_like(mine) for _ in range(self.world_size)]
-        self.counter.add("control", mine.numel() * 8 * (self.world_size - 1))
+        self.counter.add("control", mine.numel() * 8 * (self.world_size - 1), self.label)
         dist.all_gather(out, mine, group=self.group)
         return [t.tolist() for t in out]
+
+    def all_gather_list(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``tensor`` (same shape on every rank), in rank order (saving and
+        consolidating, not counted)."""
+        if self.world_size == 1:
+            return [tensor]
+        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(out, tensor.contiguous(), group=self.group)
+        return out
 
     def broadcast(self, tensor: torch.Tensor, src_rank: int = 0) -> None:
         """Broadcast ``tensor`` from group rank ``src_rank`` (used at start-up, not counted)."""

@@ -46,6 +46,8 @@ from torch import nn
 
 from ..config import Config, ConfigError, resolve_batch_sizes
 from ..offload import OptimizerOffload, ParamOffload, group_cap
+from ..parallel import TensorParallel, model_slices
+from ..parallel.grid import Grid, build_grid
 from . import live
 from .assemble import (
     adopt_replaced_params,
@@ -55,7 +57,7 @@ from .assemble import (
     build_optimizer,
     user_param_groups,
 )
-from .collectives import Comm
+from .collectives import CommCounter
 from .device import default_device, synchronize
 from .engine_api import EngineAPI
 from .gather import (
@@ -148,11 +150,21 @@ class ZeroEngine(EngineAPI, nn.Module):
                  optimizer=None, lr_scheduler=None,
                  process_group: Optional[dist.ProcessGroup] = None,
                  unit_classes: Iterable[type] = (),
-                 param_init_fn: Optional[Callable[[nn.Module], None]] = None) -> None:
+                 param_init_fn: Optional[Callable[[nn.Module], None]] = None,
+                 grid: Optional[Grid] = None) -> None:
         super().__init__()
         self.config = config
-        self.comm = Comm(process_group)
-        self.dp_world_size, self.dp_rank = self.comm.world_size, self.comm.rank
+        # the process grid (parallel/grid.py): ZeRO shards over its shard axis (the data-parallel
+        # group, or a slice of it with hybrid sharding); gradients average over its data axis
+        self.grid = grid if grid is not None else build_grid(data_group=process_group)
+        counter = CommCounter()  # every group's bytes, for comm_stats()
+        self.comm = self.grid.shard.comm(counter, "data")
+        self.replica_comm = self.grid.replica.comm(counter)
+        self.grid_comm = self.grid.everyone.comm(counter, "grid")
+        self.dp_world_size, self.dp_rank = self.grid.data.size, self.grid.data.rank
+        # a model split over the grid's tensor axis: the batch check and the activations' bytes
+        self.tensor_parallel: Optional[TensorParallel] = (TensorParallel(self.grid, model, counter)
+                                                          if self.grid.tp_size > 1 else None)
         self.policy: StagePolicy = policy_for(config.zero_optimization.stage)
         self.zero_config = config.zero_optimization
         self.overlap_comm = config.zero_optimization.overlap_comm_effective
@@ -195,12 +207,12 @@ class ZeroEngine(EngineAPI, nn.Module):
                             tuple(unit_classes))
         sharding = self.policy.shard_optimizer  # partitions: 1/N of each group per rank, or all of it
         self.flat_groups = build_flat_groups(
-            self.base_module, groups, self._unit_of, group_cap(self.zero_config, self.dp_world_size),
-            partitions=self.dp_world_size if sharding else 1, rank=self.dp_rank if sharding else 0,
-            device=self.device)
+            self.base_module, groups, self._unit_of, group_cap(self.zero_config, self.comm.world_size),
+            partitions=self.comm.world_size if sharding else 1, rank=self.comm.rank if sharding else 0,
+            device=self.device, tp_of=model_slices(self.base_module, self.grid.tp_size, self.grid.tensor.rank))
         adopt_replaced_params(self.base_module, self.flat_groups)
         self.trainable = [g for g in self.flat_groups if g.trainable]
-        broadcast_initial_state(self.comm, self.base_module, self.flat_groups)
+        broadcast_initial_state(self.grid.data.comm(), self.base_module, self.flat_groups)
         self.units: list[Unit] = []
         self._unit_hooks = []
         self.param_offload: Optional[ParamOffload] = None
@@ -216,7 +228,7 @@ class ZeroEngine(EngineAPI, nn.Module):
                                  dtype=self.precision.grad_dtype(g.dtype))
         self.reducer = GradReducer(self.comm, self.trainable, self.policy, self.precision,
                                    reduce_scatter=self.zero_config.reduce_scatter,
-                                   overlap_comm=self.overlap_comm)
+                                   overlap_comm=self.overlap_comm, replicas=self.replica_comm)
 
         # offload: fp32 masters and optimizer states on the host or disk, the step there (offload/)
         self.offload: Optional[OptimizerOffload] = None
@@ -252,7 +264,7 @@ class ZeroEngine(EngineAPI, nn.Module):
         device or offloaded (``offload/``)."""
         if self.zero_config.optimizer_offload != "none":
             self.offload = OptimizerOffload(self.zero_config, self.config.aio, self.trainable, self.device,
-                                            self.dp_rank)
+                                            self.grid.rank)
         pieces_by_group = [[] for _ in groups]
         for g in self.trainable:  # 16-bit parameters: the optimizer updates fp32 masters
             if self.offload is not None:
@@ -270,10 +282,9 @@ class ZeroEngine(EngineAPI, nn.Module):
         by parameter id)."""
         for p in loaded.values():
             built_over = init_shard(p).comm.world_size
-            if built_over != self.dp_world_size:
-                raise ValueError(f"the model was built in zero.Init over {built_over} ranks, but the engine's "
-                                 f"data-parallel group has {self.dp_world_size}; give Init and initialize the "
-                                 "same group")
+            if built_over != self.comm.world_size:
+                raise ValueError(f"the model was built in zero.Init over {built_over} ranks, but the engine "
+                                 f"shards over {self.comm.world_size}; give Init and initialize the same group")
         for g in self.flat_groups:
             if not g.shards_parameters:
                 g.shard_parameters()
@@ -292,7 +303,7 @@ class ZeroEngine(EngineAPI, nn.Module):
                       and not u.is_root}
             if owners:
                 self._unit_hooks += install_external_hooks(module, list(owners.values()), self.prefetcher)
-        self.param_offload = ParamOffload(zc, self.config.aio, self.device, self.dp_rank) \
+        self.param_offload = ParamOffload(zc, self.config.aio, self.device, self.grid.rank) \
             if zc.param_offload != "none" else None  # shards on the host or on disk (offload/params.py)
         park = self.param_offload.park if self.param_offload is not None else None
         if meta:
@@ -321,6 +332,8 @@ class ZeroEngine(EngineAPI, nn.Module):
         hooks gather its units (``gather.install_root_hooks``), so a direct call of the model
         gathers the same way."""
         with self._timed("forward"):
+            if self.tensor_parallel is not None:
+                self.tensor_parallel.check_inputs(args, kwargs)
             args, kwargs = self.precision.cast_inputs((args, kwargs))
             with _explain_released_parameters(self.policy.shard_parameters):
                 return self.module(*args, **kwargs)
@@ -446,6 +459,7 @@ class ZeroEngine(EngineAPI, nn.Module):
     def _apply_update(self) -> None:
         if self._checkpointer is not None:  # an asynchronous save may still be copying the states
             self._checkpointer.before_update()
+        self.reducer.sum_over_replicas()
         divisor = self.dp_world_size * (self.loss_scaler.scale if self.loss_scaler else 1.0)
         if self.offload is None:
             grads = self._unscaled_fp32_grads(divisor)
@@ -506,14 +520,24 @@ class ZeroEngine(EngineAPI, nn.Module):
     def _global_norm_and_usage(self, grads: list[torch.Tensor]) -> tuple[float, list[list[bool]]]:
         """One small all-reduce: the squared L2 norm of all gradient shards and, per
         parameter, whether any rank produced a gradient for it in this step. The norm is
-        inf or NaN on every rank when any rank's gradients hold inf or NaN."""
+        inf or NaN on every rank when any rank's gradients hold inf or NaN.
+
+        Each element counts once: a shard held by several ranks (stage 0's whole gradients, the
+        replicas of hybrid sharding) only on the first of them, and a parameter replicated over
+        the tensor-parallel ranks only on tensor rank 0, while every rank's slice of a split one
+        counts (the rule Megatron and DeepSpeed use). Beyond one data-parallel group the sum runs
+        over the whole grid."""
+        grid = self.grid
+        holder = (self.policy.shard_optimizer or self.comm.rank == 0) and grid.replica.rank == 0
         local = torch.zeros((), dtype=torch.float64, device=self.device)
-        if self.policy.shard_optimizer or self.dp_rank == 0:
-            for grad in grads:
-                local += squared_l2(grad)
+        if holder:
+            for g, grad in zip(self.trainable, grads):
+                if g.tp_split or grid.tensor.rank == 0:
+                    local += squared_l2(grad)
         flags = [float(u) for used in self.reducer.usage() for u in used]
         vec = torch.cat([local.reshape(1), torch.tensor(flags, dtype=torch.float64, device=self.device)])
-        self.comm.all_reduce_sum(vec, kind="control")
+        # every rank of the grid has the same parameters (its own slices of them): one sum over all
+        (self.comm if grid.only_data else self.grid_comm).all_reduce_sum(vec, kind="control")
         norm = math.sqrt(vec[0].item())
         got = (vec[1:] > 0).tolist()
         used, k = [], 0
@@ -544,3 +568,5 @@ class ZeroEngine(EngineAPI, nn.Module):
             self.offload.close()
         if self.param_offload is not None:
             self.param_offload.close()
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.close()

@@ -69,12 +69,24 @@ class EngineAPI:
         (see ``zerodp.memory.measure_model_states``)."""
         return measure_model_states(self)
 
-    def comm_stats(self) -> dict[str, int]:
+    def comm_stats(self, by_group: bool = False) -> dict:
         """Bytes this rank moved in the last optimizer step (its whole accumulation window), per
         collective kind, plus ``"total"``. Counted as ring-algorithm bytes sent per rank: an
         all-reduce of B bytes over N ranks counts 2B(N-1)/N, a reduce-scatter or all-gather of a
-        B-byte buffer B(N-1)/N; ``"control"`` is the small norm/usage all-reduce."""
-        stats = dict(self.comm.counter.last_step)
+        B-byte buffer B(N-1)/N; ``"control"`` is the small norm/usage all-reduce.
+
+        With ``by_group=True``: the same per process group, ``{group: {kind: bytes, "total": ...,
+        "calls": collectives issued}}``, the groups being ``"data"`` (the data-parallel group, or
+        the shard group of hybrid sharding), ``"replica"`` (across hybrid replicas), ``"tensor"``
+        (the tensor-parallel activations' all-reduces and all-gathers) and ``"grid"`` (the
+        gradient norm over the whole grid)."""
+        counter = self.comm.counter
+        if by_group:
+            out = {}
+            for group, kinds in counter.last_by_group.items():
+                out[group] = dict(kinds, total=sum(kinds.values()), calls=counter.last_calls.get(group, 0))
+            return out
+        stats = dict(counter.last_step)
         stats["total"] = sum(stats.values())
         return stats
 

@@ -23,6 +23,13 @@ The group also keeps, as the stage policy decides (see ``stages.py``):
 
 ``index()`` records where every parameter lives (group, offset, shape), which is what
 world-size-independent checkpoints need.
+
+Under tensor parallelism a parameter is a ``DTensor`` whose local tensor is this rank's slice of
+the layer (``parallel/tensor.py``). The group lays out the local tensors: each parameter's
+local tensor is the view into the buffer, and its gradient arrives as a ``DTensor`` whose local
+tensor is what is reduced. Slots hold local shapes; ``tp_split`` says whether the group's
+parameters are split over the tensor-parallel ranks (each rank holds different values) or
+replicated (every rank the same), which the gradient norm needs.
 """
 from __future__ import annotations
 
@@ -37,15 +44,63 @@ from .init_shards import ZeroParamStatus
 
 ALIGN_BYTES = 16
 
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - a torch without DTensor has no tensor parallelism either
+    DTensor = ()
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's tensor of ``t``: the local tensor of a ``DTensor``, else ``t`` itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def bind_local(p: nn.Parameter, view: torch.Tensor) -> None:
+    """Make ``view`` the storage of ``p``'s values (its local tensor, for a ``DTensor``)."""
+    if isinstance(p, DTensor):
+        p._local_tensor = view
+    else:
+        p.data = view
+
+
+def grad_local(p: nn.Parameter) -> torch.Tensor:
+    """This rank's part of ``p.grad``, laid out as ``p``'s local tensor: a ``DTensor`` gradient that
+    autograd produced in another layout than the parameter's (an embedding split over the
+    vocabulary gets a replicated gradient) is redistributed to the parameter's first."""
+    g = p.grad
+    if isinstance(g, DTensor):
+        if g.placements != p.placements:
+            g = g.redistribute(p.device_mesh, p.placements)
+        return g._local_tensor
+    return g
+
+
+def set_param_data(p: nn.Parameter, new: torch.Tensor) -> None:
+    """``p.data = new``, which for a ``DTensor`` changes the wrapper (its dtype) but not the local
+    tensor it wraps: that is set too."""
+    p.data = new
+    if isinstance(p, DTensor):
+        p._local_tensor = new._local_tensor
+
+
+def grad_like(p: nn.Parameter, local: torch.Tensor) -> torch.Tensor:
+    """A gradient for ``p`` whose values are ``local`` (a ``DTensor`` laid out as ``p`` is)."""
+    if isinstance(p, DTensor):
+        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                                  shape=p.shape, stride=p.stride())
+    return local
+
 
 @dataclass(frozen=True)
 class Slot:
-    """Where one parameter lives inside its group's full buffer."""
+    """Where one parameter lives inside its group's full buffer (its local tensor's elements, and
+    under tensor parallelism ``tp``: which slice of the unsplit parameter that is)."""
 
     name: str
     offset: int
     numel: int
     shape: torch.Size
+    tp: Optional[Any] = None  # parallel.tensor.TPSlice
 
 
 @dataclass(frozen=True)
@@ -71,7 +126,7 @@ class FlatGroup:
 
     def __init__(self, index: int, named_params: list[tuple[str, nn.Parameter]], *,
                  param_group: int, trainable: bool, partitions: int,
-                 unit: int = 0, rank: int, device: torch.device) -> None:
+                 unit: int = 0, rank: int, device: torch.device, tp_of: Optional[dict] = None) -> None:
         if not named_params:
             raise ValueError("a flat group needs at least one parameter")
         dtypes = {p.dtype for _, p in named_params}
@@ -81,6 +136,10 @@ class FlatGroup:
         self.param_group = param_group
         self.params = [p for _, p in named_params]
         self.dtype = self.params[0].dtype
+        tp_of = tp_of or {}
+        self.tp_split = id(self.params[0]) in tp_of
+        if any((id(p) in tp_of) != self.tp_split for p in self.params):
+            raise ValueError(f"flat group {index} mixes tensor-parallel split and replicated parameters")
         self.trainable = trainable
         self.unit = unit
         self.device = device
@@ -89,8 +148,9 @@ class FlatGroup:
         self.slots: list[Slot] = []
         offset = 0
         for name, p in named_params:
-            self.slots.append(Slot(name, offset, p.numel(), p.shape))
-            offset += p.numel()
+            local = local_tensor(p)
+            self.slots.append(Slot(name, offset, local.numel(), local.shape, tp_of.get(id(p))))
+            offset += local.numel()
         self.numel = offset
         align = max(1, ALIGN_BYTES // torch.empty((), dtype=self.dtype).element_size())
         self.shard_numel = _round_up(-(-self.numel // partitions), align)
@@ -103,13 +163,16 @@ class FlatGroup:
         self.shard_being_copied = False  # an asynchronous checkpoint copy reads the shard: keep it
         self._pending = None  # a stage-3 all-gather in flight (prefetch)
         self.replaced: dict[int, nn.Parameter] = {}
-        if any(p.is_meta for p in self.params):
+        if any(local_tensor(p).is_meta for p in self.params):
+            if self.tp_split or any(isinstance(p, DTensor) for p in self.params):
+                raise ValueError("a tensor-parallel model cannot be on the meta device: build it with values "
+                                 "(zero.Init or a meta-device model is for data parallelism alone)")
             self._adopt_meta_params()
         else:
             self.full: torch.Tensor = torch.zeros(self.padded_numel, dtype=self.dtype, device=device)
             with torch.no_grad():
                 for slot, p in zip(self.slots, self.params):
-                    self.full[slot.offset:slot.offset + slot.numel].copy_(p.detach().reshape(-1))
+                    self.full[slot.offset:slot.offset + slot.numel].copy_(local_tensor(p).detach().reshape(-1))
             self.bind_params_to_full()
 
         self.pieces: list[Piece] = self.pieces_in(self.shard_lo, self.shard_hi)
@@ -267,7 +330,7 @@ class FlatGroup:
     def bind_params_to_full(self) -> None:
         """Make every parameter's ``.data`` a view into ``full``."""
         for i, p in enumerate(self.params):
-            p.data = self.view(self.full, i)
+            bind_local(p, self.view(self.full, i))
 
     # -- gradients --------------------------------------------------------------------
 
@@ -304,8 +367,8 @@ class FlatGroup:
         for i, p in enumerate(self.params):
             if not same:
                 p.grad = None
-            elif p.grad is None or p.grad.data_ptr() != self.view(self.grad_full, i).data_ptr():
-                p.grad = self.view(self.grad_full, i)
+            elif p.grad is None or local_tensor(p.grad).data_ptr() != self.view(self.grad_full, i).data_ptr():
+                p.grad = grad_like(p, self.view(self.grad_full, i))
 
     def zero_gradients(self) -> None:
         if self.grad_full is not None:
@@ -325,10 +388,10 @@ class FlatGroup:
         """
         p = self.params[slot]
         target = self.view(buffer, slot)
-        if p.grad is None or p.grad.data_ptr() == target.data_ptr():
+        if p.grad is None or local_tensor(p.grad).data_ptr() == target.data_ptr():
             return
-        target.add_(p.grad)
-        p.grad = target if buffer is self.grad_full and target.dtype == p.dtype else None
+        target.add_(grad_local(p))
+        p.grad = grad_like(p, target) if buffer is self.grad_full and target.dtype == p.dtype else None
 
     def new_grad_bucket(self, dtype: torch.dtype) -> torch.Tensor:
         """A full-size gradient bucket for one reduction (stages 2-3), left unwritten except
@@ -345,7 +408,7 @@ class FlatGroup:
         if p.grad is None:
             target.zero_()
         else:
-            target.copy_(p.grad)
+            target.copy_(grad_local(p))
             p.grad = None
 
     # -- fp32 master weights (mixed precision) -----------------------------------------
@@ -407,4 +470,5 @@ class FlatGroup:
     def index_entries(self) -> dict[str, dict]:
         """Parameter name -> where it lives: group, offset, numel, shape."""
         return {s.name: {"group": self.index, "offset": s.offset, "numel": s.numel,
-                         "shape": tuple(s.shape)} for s in self.slots}
+                         "shape": tuple(s.shape), **({"tp": s.tp.as_dict()} if s.tp is not None else {})}
+                for s in self.slots}

@@ -27,6 +27,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from .flat import set_param_data
+
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -79,7 +81,7 @@ class PrecisionPolicy:
                 continue
             for p in module.parameters(recurse=False):
                 if p.is_floating_point() and p.dtype != self.compute:
-                    p.data = p.data.to(self.compute)
+                    set_param_data(p, p.data.to(self.compute))
             for name, buf in module._buffers.items():
                 if buf is not None and buf.is_floating_point() and buf.dtype != self.compute:
                     module._buffers[name] = buf.to(self.compute)

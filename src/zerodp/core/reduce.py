@@ -25,11 +25,13 @@ What it does per stage comes from the ``StagePolicy`` (``stages.py``):
 
 Groups are launched in group order, the same on every rank, asynchronously when
 ``overlap_comm`` is on. The reducer is given its ``Comm`` (process group) explicitly, so
-reductions over groups narrower than the world use the same code.
+reductions over groups narrower than the world use the same code. With hybrid sharding it is
+also given the replica group: the shard group's reduced gradients are summed across the
+replicas once per optimizer step (``sum_over_replicas``), not in every micro-batch.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
@@ -53,8 +55,10 @@ class GradReducer:
     """
 
     def __init__(self, comm: Comm, groups: Sequence[FlatGroup], policy: StagePolicy,
-                 precision: PrecisionPolicy, *, reduce_scatter: bool, overlap_comm: bool) -> None:
+                 precision: PrecisionPolicy, *, reduce_scatter: bool, overlap_comm: bool,
+                 replicas: Optional[Comm] = None) -> None:
         self.comm = comm
+        self.replicas = replicas
         self.groups = list(groups)
         self.policy = policy
         self.precision = precision
@@ -132,6 +136,16 @@ class GradReducer:
             self._handles = []
         finally:
             self._reducing = False
+
+    def sum_over_replicas(self) -> None:
+        """Hybrid sharding: add up the reduced gradient shards of the replicas (the same shard of
+        every replica group), once per optimizer step. Nothing without replicas."""
+        if self.replicas is None or self.replicas.world_size == 1:
+            return
+        handles = [self.replicas.all_reduce_sum(g.grad_shard, async_op=True)
+                   for g in self.groups if g.grad_shard is not None]
+        for h in handles:
+            h.wait()
 
     # -- what the step and the ledger read ----------------------------------------------
 

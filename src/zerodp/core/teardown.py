@@ -48,7 +48,7 @@ import logging
 import os
 import sys
 import threading
-from typing import Optional
+from typing import Callable, Optional
 
 import torch.distributed as dist
 
@@ -59,6 +59,14 @@ logger = logging.getLogger("zerodp")
 _lock = threading.Lock()
 _installed_in: Optional[int] = None  # the process that registered at_exit
 _our_group: Optional[object] = None  # the default group zerodp started (compared by identity)
+_releases: list[Callable[[], None]] = []  # what drops zerodp's references to process groups
+
+
+def on_exit_release(release: Callable[[], None]) -> None:
+    """Have :func:`at_exit` call ``release`` (which drops references zerodp keeps to process
+    groups, such as the subgroups of a process grid) before it collects: a destroyed group still
+    referred to keeps its gloo threads alive into finalization."""
+    _releases.append(release)
 
 
 def install() -> None:
@@ -106,6 +114,8 @@ def at_exit() -> None:
         except Exception as e:  # noqa: BLE001 - the process is ending either way
             logger.warning("at exit: destroying the process group failed: %s: %s", type(e).__name__, e)
     _our_group = None
+    for release in _releases:
+        release()
     unpin_group_defaults()
     gc.collect()  # a destroyed group no longer referred to is freed now, its threads joined
 

@@ -116,6 +116,40 @@ class CheckpointView:
         """The number of ranks in the data-parallel group."""
         return self._engine.dp_world_size
 
+    # -- the ranks that write a checkpoint -------------------------------------------------
+
+    @property
+    def coord_comm(self) -> "Comm":
+        """Every rank that takes part in a save or load (the whole process grid): what the
+        checkpoint's coordinator agrees over. The data-parallel group without tensor parallelism."""
+        engine = self._engine
+        return engine.comm if engine.grid.only_data else engine.grid_comm
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank within its tensor-parallel group (0 without tensor parallelism)."""
+        return self._engine.grid.tensor.rank
+
+    @property
+    def tp_size(self) -> int:
+        """The number of tensor-parallel ranks (1 without tensor parallelism)."""
+        return self._engine.grid.tensor.size
+
+    @property
+    def tensor_comm(self) -> "Comm":
+        """The tensor-parallel group's collectives (gathering a split parameter's slices)."""
+        return self._engine.grid.tensor.comm()
+
+    @property
+    def writer_rank(self) -> int:
+        """Which of the checkpoint's files this rank writes: data rank x tensor size + tensor rank."""
+        return self.dp_rank * self.tp_size + self.tp_rank
+
+    @property
+    def writer_count(self) -> int:
+        """How many files a checkpoint of this engine has: data ranks x tensor ranks."""
+        return self.dp_world_size * self.tp_size
+
     # -- counters and batch sizes ----------------------------------------------------------
 
     @property

@@ -50,16 +50,19 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        # (B, T, C) -> (B, n_head, T, head_dim)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        B, T, _ = x.shape
+        # q, k and v are the three blocks of c_attn's output; under tensor parallelism each holds
+        # this rank's heads only, so sizes come from the tensors, not from n_head
+        q, k, v = self.c_attn(x).chunk(3, dim=2)
+        head_dim = self.n_embd // self.n_head
+        # (B, T, heads * head_dim) -> (B, heads, T, head_dim)
+        q = q.view(B, T, -1, head_dim).transpose(1, 2)
+        k = k.view(B, T, -1, head_dim).transpose(1, 2)
+        v = v.view(B, T, -1, head_dim).transpose(1, 2)
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
         )
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)
         return self.resid_dropout(self.c_proj(y))
 
 

@@ -74,7 +74,7 @@ def compare_with_engine(engine: "ZeroEngine") -> list[Comparison]:
     ``(P - 1)·a`` elements fewer per group.
     """
     groups, trained = engine.flat_groups, engine.trainable
-    stage, n = engine.zero_stage, engine.dp_world_size
+    stage, n = engine.zero_stage, engine.comm.world_size  # the ranks ZeRO shards over
     parts = n if stage >= 1 else 1
     measured = engine.memory_breakdown()
 
@@ -123,7 +123,7 @@ def _compare_buffers(engine: "ZeroEngine", measured: dict, grad_elem: int,
                      param_elem: int) -> list[Comparison]:
     """Peak gradient buckets (stages 2-3) and stage-3 gathered parameters: upper bounds, with
     the padding of every group as slack (buckets and gathered buffers are full-size)."""
-    stage, n = engine.zero_stage, engine.dp_world_size
+    stage, n = engine.zero_stage, engine.comm.world_size
     trained, groups = engine.trainable, engine.flat_groups
     largest = max((t.numel() for t in engine.base_module.parameters()), default=0)
     units = [sum(g.numel for g in u.groups) for u in getattr(engine, "units", [])]

@@ -148,13 +148,15 @@ def _train(args: argparse.Namespace, rank: int, world: int) -> int:
         engine.monitor.tokens_per_sample = block  # every sample is one context of block bytes
     device = engine.device
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-    seqs_per_step = micro * gas * world
+    dp, dp_rank = engine.dp_world_size, engine.dp_rank  # tensor-parallel ranks of a group share batches
+    seqs_per_step = micro * gas * dp
     tokens_per_step = seqs_per_step * block
     backend = dist.get_backend() if dist.is_initialized() else "none (single process)"
 
     say(f"zerodp train: GPT {args.model} ({_fmt_params(n_params)} parameters, "
-        f"block {block}), ZeRO stage {engine.zero_stage}, world size {world}")
-    ranks = f"{world} rank{'s' if world > 1 else ''}"
+        f"block {block}), ZeRO stage {engine.zero_stage}, world size {world}"
+        + (f" ({engine.grid.describe()})" if not engine.grid.only_data else ""))
+    ranks = f"{dp} {'data-parallel ' if dp != world else ''}rank{'s' if dp > 1 else ''}"
     say(f"  batch: {micro} micro x {gas} accum x {ranks} = {seqs_per_step} sequences "
         f"= {tokens_per_step} tokens per step; {args.steps} steps")
     say(f"  optimizer: {cfg.optimizer.type} lr {engine.get_lr()[0]:g}"
@@ -186,7 +188,7 @@ def _train(args: argparse.Namespace, rank: int, world: int) -> int:
         engine.save_checkpoint(save_dir, client_state={"losses": losses, "val_losses": val_losses,
                                                        "args": {"model": args.model, "seed": args.seed}})
 
-    val_gen = torch.Generator().manual_seed(1_000_003 * args.seed + 500_000 + rank)
+    val_gen = torch.Generator().manual_seed(1_000_003 * args.seed + 500_000 + dp_rank)
     val_batches = ([corpus.batch("val", micro, block, val_gen) for _ in range(EVAL_BATCHES_PER_RANK)]
                    if args.eval_every > 0 else [])
 
@@ -209,7 +211,7 @@ def _train(args: argparse.Namespace, rank: int, world: int) -> int:
         for step in range(start_step + 1, args.steps + 1):
             t0 = time.perf_counter()
             step_loss = 0.0
-            gen = step_generator(args.seed, rank, step)
+            gen = step_generator(args.seed, dp_rank, step)
             for _ in range(gas):
                 x, y = corpus.batch("train", micro, block, gen)
                 _, loss = engine(x.to(device), y.to(device))

@@ -78,6 +78,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="offload the fp32 master weights and optimizer states to files under DIR "
                           "(offload_optimizer.device \"nvme\"; stage 1-3), read and written a tile "
                           "of sub_group_size elements at a time during the step")
+    cfg.add_argument("--tp", type=_positive_int, default=None, metavar="N",
+                     help="tensor parallelism: split each layer over N adjacent ranks (heads, MLP and "
+                          "vocabulary; tensor_parallel.autotp_size), ZeRO sharding over the --nproc / N "
+                          "data-parallel ranks, which see different batches (default: the config's, else 1)")
     cfg.add_argument("--config", metavar="PATH", default=None,
                      help="DeepSpeed-style JSON config; with --preset it is merged over the preset. "
                           "It must have an 'optimizer' block unless a preset supplies one")
@@ -222,6 +226,9 @@ def build_config(args: argparse.Namespace) -> Config:
     if precision is not None:
         data["bf16"] = dict(data.get("bf16") or {}, enabled=precision == "bf16")
         data["fp16"] = dict(data.get("fp16") or {}, enabled=precision == "fp16")
+    tp = getattr(args, "tp", None)
+    if tp is not None:
+        data["tensor_parallel"] = dict(data.get("tensor_parallel") or {}, autotp_size=tp)
     nvme = getattr(args, "nvme_path", None)
     if nvme:
         zero = data["zero_optimization"] = dict(data.get("zero_optimization") or {})
@@ -248,9 +255,14 @@ def _file_sets_lr(path: str) -> bool:
 
 def check_config(cfg: Config, world_size: int) -> tuple[int, int, int]:
     """Check what the engine would reject at start-up (the batch arithmetic for ``world_size``
-    ranks, the ZeRO stage, the optimizer and scheduler blocks), raising :class:`ConfigError`.
-    Returns ``(train_batch_size, micro_batch, accumulation_steps)``."""
-    sizes = resolve_batch_sizes(cfg, world_size)
+    ranks, of which ``world_size / tensor_parallel size`` are data-parallel, the ZeRO stage, the
+    optimizer and scheduler blocks), raising :class:`ConfigError`. Returns ``(train_batch_size,
+    micro_batch, accumulation_steps)``."""
+    tp = cfg.tensor_parallel.size
+    if world_size % tp:
+        raise ConfigError(f"tensor_parallel.autotp_size: {tp} does not divide the {world_size} processes; "
+                          "give --nproc a multiple of --tp")
+    sizes = resolve_batch_sizes(cfg, world_size // tp)
     if cfg.tensorboard.enabled:
         try:
             monitor_module.require_tensorboard()

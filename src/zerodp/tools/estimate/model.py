@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -43,6 +43,27 @@ class ModelInfo:
     root_unit: Optional[int] = None
     largest_unit: Optional[int] = None
     transformer: Optional[TransformerShape] = None
+    split_params: Optional[int] = None
+    """Elements of the parameters the model's tensor-parallel plan splits (None: no plan known)."""
+    split_trainable: Optional[int] = None
+
+    def local(self, tp: int) -> "ModelInfo":
+        """What one tensor-parallel rank of ``tp`` holds: split parameters 1/tp, the rest whole
+        (every parameter split when the plan is not known: a bare count). Unit sizes and the
+        largest parameter shrink in the same proportion."""
+        if tp == 1:
+            return self
+        split = self.params if self.split_params is None else self.split_params
+        split_trained = self.trainable_params if self.split_trainable is None else self.split_trainable
+        params = self.params - split + -(-split // tp)
+        ratio = params / max(self.params, 1)
+
+        def scaled(n: Optional[int]) -> Optional[int]:
+            return None if n is None else -(-int(n * ratio) // 1)
+        return replace(self, description=f"{self.description}, 1/{tp} tensor-parallel slice",
+                       params=params, trainable_params=self.trainable_params - split_trained
+                       + -(-split_trained // tp), largest_param=scaled(self.largest_param),
+                       root_unit=scaled(self.root_unit), largest_unit=scaled(self.largest_unit))
 
 
 _SHAPE_NAMES = {"layers": ("num_hidden_layers", "n_layer", "num_layers"),
@@ -81,6 +102,7 @@ def describe_model(model: nn.Module, description: str = "module", source: str = 
     for p in params:
         units[unit_of[id(p)]] = units.get(unit_of[id(p)], 0) + p.numel()
     config = getattr(model, "config", None)
+    split = _split(model)
     return ModelInfo(
         description=description, source=source,
         params=sum(p.numel() for p in params),
@@ -88,7 +110,19 @@ def describe_model(model: nn.Module, description: str = "module", source: str = 
         largest_param=max((p.numel() for p in params), default=0),
         root_unit=units.get(0, 0),
         largest_unit=max((n for u, n in units.items() if u != 0), default=0),
-        transformer=transformer_shape(config) if config is not None else None)
+        transformer=transformer_shape(config) if config is not None else None,
+        split_params=None if split is None else sum(p.numel() for p in split),
+        split_trainable=None if split is None else sum(p.numel() for p in split if p.requires_grad))
+
+
+def _split(model: nn.Module) -> Optional[list]:
+    """The parameters the model's tensor-parallel plan would split, or None without a plan."""
+    from ...parallel.plans import plan_for
+    from ...parallel.tensor import TensorParallelError, split_parameters
+    try:
+        return split_parameters(model, plan_for(model))
+    except TensorParallelError:
+        return None
 
 
 def _model_kwargs(kwargs: Union[None, str, dict]) -> dict:

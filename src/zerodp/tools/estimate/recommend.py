@@ -10,7 +10,16 @@ from ...core.flat import ALIGN_BYTES
 from .accounting import OptimizerSpec, _optimizer, make_accounting
 from .activations import Activations, estimate_activations
 from .buffers import estimate_buffers
-from .inputs import DEFAULT_MAX_LIVE, DEFAULT_REDUCE_BUCKET, _element_count, _gb, _positive_int, parse_memory
+from .inputs import (
+    DEFAULT_MAX_LIVE,
+    DEFAULT_REDUCE_BUCKET,
+    EstimateError,
+    _element_count,
+    _gb,
+    _num,
+    _positive_int,
+    parse_memory,
+)
 from .model import ModelInfo, resolve_model
 from .report import Estimate
 from .stages import ROW_KEYS, Row, _with_fit, estimate_row
@@ -65,7 +74,8 @@ def estimate(model: Union[str, int, nn.Module, ModelInfo], *, nodes: int = 1, ra
              seq_len: Optional[int] = None, checkpointing: bool = False,
              model_kwargs: Union[None, str, dict] = None,
              reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET,
-             max_live_parameters: int = DEFAULT_MAX_LIVE) -> Estimate:
+             max_live_parameters: int = DEFAULT_MAX_LIVE, tp: int = 1,
+             shard_size: Optional[int] = None) -> Estimate:
     """Per-rank memory of ZeRO stages 0-3, with and without offload, and a recommendation.
 
     ``model``: a parameter count (``"7.5B"`` or an int), a path to a ``transformers`` config
@@ -73,7 +83,10 @@ def estimate(model: Union[str, int, nn.Module, ModelInfo], *, nodes: int = 1, ra
     ``model_kwargs``, a dict or JSON object, on the meta device), or a module. ``device_memory``
     and ``cpu_memory`` (per node) are sizes such as ``"80GB"``/``"24GiB"`` or bytes.
     ``accounting``: ``"mixed"`` (default for bf16/fp16), ``"no-master"``, or ``"fp32"``
-    (the only one for fp32). Raises :class:`EstimateError` for input it cannot use.
+    (the only one for fp32). ``tp``: tensor-parallel size (each rank holds its slice of the
+    parameters the model's plan splits; ZeRO shards over the N / tp data-parallel ranks);
+    ``shard_size``: hybrid sharding, ZeRO shards over groups of that many data-parallel ranks.
+    Raises :class:`EstimateError` for input it cannot use.
     """
     nodes = _positive_int(nodes, "nodes")
     ranks_per_node = _positive_int(ranks_per_node, "ranks_per_node")
@@ -86,7 +99,18 @@ def estimate(model: Union[str, int, nn.Module, ModelInfo], *, nodes: int = 1, ra
     spec = _optimizer(optimizer)
     acc = make_accounting(precision, spec, accounting)
     info = resolve_model(model, model_kwargs)
-    n = nodes * ranks_per_node
+    world = nodes * ranks_per_node
+    tp = _positive_int(tp, "tp")
+    if world % tp:
+        raise EstimateError("tp", f"{tp} does not divide the {world} ranks")
+    n = world // tp  # the data-parallel ranks ZeRO shards over
+    if shard_size is not None:
+        shard_size = _positive_int(shard_size, "shard_size")
+        if n % shard_size:
+            raise EstimateError("shard_size", f"{shard_size} does not divide the {n} data-parallel ranks")
+        n = shard_size
+    whole = info
+    info = info.local(tp)
     acts = estimate_activations(info, precision, micro_batch, seq_len, checkpointing)
     buffers = estimate_buffers(info, acc.params, reduce_bucket_size, max_live_parameters)
     rows = [_with_fit(estimate_row(acc, info, stage, off, n, ranks_per_node, buffers, acts.bytes),
@@ -100,5 +124,12 @@ def estimate(model: Union[str, int, nn.Module, ModelInfo], *, nodes: int = 1, ra
                  "three tiles of sub_group_size elements of it in CPU memory at once")
     notes.append(f"padding: each flat group is padded to N shards of a multiple of {ALIGN_BYTES} "
                  f"bytes, under {ALIGN_BYTES} bytes per shard per group")
+    if tp > 1:
+        split = ("every parameter assumed split (no tensor-parallel plan known for this model)"
+                 if whole.split_params is None else
+                 f"the plan splits {_num(whole.split_params)} of {_num(whole.params)} parameter elements; "
+                 "the rest (norms, biases of row splits, position embeddings) stay whole on every rank")
+        notes.append(f"tensor parallelism: {tp} ranks per layer, Ψ is one rank's slice ({_num(info.params)}); "
+                     f"{split}; activations are not divided by the tensor-parallel size here")
     return Estimate(info, nodes, ranks_per_node, precision, spec, acc, device, cpu, buffers, acts,
-                    rows, rec, reason, notes)
+                    rows, rec, reason, notes, tp=tp, shard_size=n)

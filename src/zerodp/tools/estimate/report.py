@@ -33,10 +33,18 @@ class Estimate:
     recommendation: Optional[Row]
     reason: str
     notes: list[str] = field(default_factory=list)
+    tp: int = 1
+    """Tensor-parallel size: the model is one rank's slice of it."""
+    shard_size: Optional[int] = None
+    """The ranks ZeRO shards over (N in the formulas): data-parallel ranks, or a hybrid group."""
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.ranks_per_node
+
+    @property
+    def shards(self) -> int:
+        return self.shard_size or self.world_size // self.tp
 
     def row(self, stage: int, offload: str = "none") -> Row:
         """The row of ``stage`` with ``offload``."""
@@ -47,6 +55,7 @@ class Estimate:
         return {
             "model": asdict(self.model),
             "nodes": self.nodes, "ranks_per_node": self.ranks_per_node, "world_size": self.world_size,
+            "tp": self.tp, "shards": self.shards,
             "precision": self.precision,
             "optimizer": asdict(self.optimizer),
             "accounting": {**asdict(self.accounting), "k": self.accounting.k,
@@ -126,7 +135,8 @@ def format_estimate(est: Estimate) -> str:
         f"{est.precision}; optimizer {est.optimizer.name}; device memory {device}; "
         f"CPU memory per node {cpu}",
         f"accounting: {acc.describe(est.optimizer)}",
-        f"  model states per rank: {acc.formulas()} (Ψ parameters, N = {est.world_size} ranks)",
+        f"  model states per rank: {acc.formulas()} (Ψ parameters, N = {est.shards} ranks"
+        + (f"; Ψ per tensor-parallel rank of {est.tp}" if est.tp > 1 else "") + ")",
         "",
         *_table(est),
         "",

@@ -1,0 +1,182 @@
+"""Parallelism beyond ZeRO's data-parallel sharding: the process grid and tensor parallelism.
+
+What ``zerodp.initialize`` and the engine use of it:
+
+* :func:`grid_for` builds the :class:`~zerodp.parallel.grid.Grid` of a run from what
+  ``initialize`` was given (the config's ``tensor_parallel`` block and hybrid-sharding size, an
+  ``mpu``, a ``DeviceMesh`` or a data-parallel ``process_group``) and splits the model over its
+  tensor axis when zerodp owns the split (the config or a mesh; an ``mpu`` brings a model its
+  script split itself, Megatron-style);
+* :class:`TensorParallel` is the engine's handle on a split model: it checks that every
+  tensor-parallel rank runs the same batch and counts the activations' collectives.
+
+``tp_model_init`` (DeepSpeed's ``deepspeed.tp_model_init``) splits a model before ``initialize``.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from ..core.collectives import Comm, CommCounter
+from .grid import Grid, GridError, build_grid, grid_from_mesh, grid_from_mpu
+from .plans import check_heads, localize, plan_for
+from .tensor import Split, TensorParallelError, TPSlice, apply_plan, model_slices
+
+__all__ = ["Grid", "GridError", "TensorParallel", "TensorParallelError", "TPSlice", "Split", "grid_for",
+           "tensor_parallelize", "tp_model_init", "model_slices"]
+
+#: Where a model split by zerodp keeps its grid (``tp_model_init`` before ``initialize``).
+GRID_ATTR = "_zerodp_grid"
+#: Where a split module keeps its :class:`Split`.
+SPLIT_ATTR = "_zerodp_split"
+
+
+def hybrid_size(config) -> Optional[int]:
+    """The hybrid shard size of a config: ``mics_shard_size`` or ``zero_hpz_partition_size``
+    (DeepSpeed's keys; zerodp gives both MiCS's meaning), or None."""
+    zc = config.zero_optimization
+    sizes = {k: v for k, v in (("mics_shard_size", zc.mics_shard_size),
+                               ("zero_hpz_partition_size", zc.zero_hpz_partition_size)) if v and v > 1}
+    if len(set(sizes.values())) > 1:
+        raise GridError("zero_optimization: mics_shard_size and zero_hpz_partition_size both set, to different "
+                        f"sizes {sizes}; zerodp shards inside groups of one size (give one of them)")
+    return next(iter(sizes.values()), None)
+
+
+def _already_split(model: nn.Module) -> bool:
+    from .tensor import _is_dtensor
+    return bool(model_slices(model)) or any(_is_dtensor(p) for p in model.parameters())
+
+
+def grid_for(model: nn.Module, config, *, mpu: Any = None, mesh_param: Any = None,
+             process_group: Any = None) -> Grid:
+    """The process grid of a run, and ``model`` split over its tensor axis where zerodp splits it."""
+    tpc = config.tensor_parallel
+    shard = hybrid_size(config)
+    given = [n for n, v in (("mpu", mpu), ("mesh_param", mesh_param), ("process_group", process_group))
+             if v is not None]
+    if len(given) > 1:
+        raise GridError(f"initialize: give one of mpu, mesh_param and process_group, not {' and '.join(given)}")
+    earlier: Optional[Grid] = getattr(model, GRID_ATTR, None)
+    if mpu is not None:
+        grid = grid_from_mpu(mpu, shard)
+    elif mesh_param is not None:
+        grid = grid_from_mesh(mesh_param, shard)
+    elif earlier is not None:
+        grid = earlier if shard is None else build_grid(earlier.tp_size, shard_size=shard, source="config")
+    else:
+        grid = build_grid(tp_size=tpc.size, shard_size=shard, data_group=process_group,
+                          source="config" if tpc.size > 1 else "world")
+    if tpc.size > 1 and grid.tp_size != tpc.size:
+        raise GridError(f"tensor_parallel.autotp_size: the config says {tpc.size}, but the "
+                        f"{grid.source} gives {grid.tp_size} tensor-parallel ranks")
+    if grid.pipe.size > 1:
+        raise GridError("pipeline parallelism is not implemented yet: the grid has "
+                        f"{grid.pipe.size} pipeline stages")
+    if grid.tp_size > 1 and grid.source != "mpu" and not _already_split(model):
+        tensor_parallelize(model, grid, tpc.partition_config)
+    return grid
+
+
+def tensor_parallelize(model: nn.Module, grid: Grid, partition_config: Optional[dict] = None) -> dict[str, Split]:
+    """Split ``model`` in place over ``grid``'s tensor axis by its plan (``plans.py``); returns the
+    plan, module name -> split."""
+    tp = grid.tp_size
+    check_heads(model, tp)
+    plan = apply_plan(model, plan_for(model, partition_config), grid.tp_mesh)
+    modules = dict(model.named_modules())
+    for name, split in plan.items():
+        setattr(modules[name], SPLIT_ATTR, split)
+    localize(model, tp)
+    setattr(model, GRID_ATTR, grid)
+    return plan
+
+
+def tp_model_init(model: nn.Module, tp_size: int, dtype: Optional[torch.dtype] = None, config: Any = None,
+                  **kwargs) -> nn.Module:
+    """DeepSpeed's ``deepspeed.tp_model_init``: split ``model`` over ``tp_size`` adjacent ranks (the
+    grid's tensor axis; the process group is started if needed), cast it to ``dtype``, and return
+    it; ``initialize`` then trains it with ZeRO over the data-parallel ranks."""
+    from ..core.device import init_distributed
+    init_distributed()
+    if dtype is not None:
+        model.to(dtype)
+    partition_config = None
+    if isinstance(config, dict):
+        partition_config = (config.get("tensor_parallel") or {}).get("partition_config")
+    grid = build_grid(tp_size=tp_size, source="config")
+    if tp_size > 1:
+        tensor_parallelize(model, grid, partition_config)
+    else:
+        setattr(model, GRID_ATTR, grid)
+    return model
+
+
+class TensorParallel:
+    """The engine's handle on a model split over the grid's tensor axis (see the module docstring)."""
+
+    def __init__(self, grid: Grid, model: nn.Module, counter: CommCounter) -> None:
+        self.grid = grid
+        self.comm: Comm = grid.tensor.comm(counter)
+        self.hooks = [m.register_forward_hook(_count_hook(self.comm, split))
+                      for m in model.modules() if (split := getattr(m, SPLIT_ATTR, None)) is not None]
+
+    def check_inputs(self, args: Any, kwargs: Any) -> None:
+        """Every tensor-parallel rank must run the same batch: each rank's inputs are summed into a
+        fingerprint, and a difference inside the group fails on every rank, naming the ranks."""
+        if self.comm.world_size == 1:
+            return
+        from ..core.gather import _tensors_in
+        parts = []
+        for t in _tensors_in((args, kwargs)):
+            x = torch.view_as_real(t.detach()) if t.is_complex() else t.detach()
+            x = x.reshape(-1).double()
+            weights = torch.arange(1, x.numel() + 1, dtype=torch.float64, device=x.device).remainder_(97).add_(1)
+            parts.append(torch.stack([torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device),
+                                      x.sum(), (x * weights).sum()]))
+        mine = torch.cat(parts).cpu() if parts else torch.zeros(1, dtype=torch.float64)
+        prints = self.comm.all_gather_ints([hash(tuple(mine.tolist())) & ((1 << 62) - 1), mine.numel()])
+        if len({tuple(p) for p in prints}) > 1:
+            groups: dict[tuple, list[int]] = {}
+            for r, p in enumerate(prints):
+                groups.setdefault(tuple(p), []).append(self.comm.global_ranks[r])
+            raise RuntimeError(
+                "tensor parallelism: the ranks of one tensor-parallel group must run the same batch, but "
+                + " and ".join(f"ranks {rs}" for rs in groups.values()) + " got different inputs. Give every "
+                "rank of a tensor-parallel group the same data: split the data over the data-parallel ranks "
+                "only (engine.dp_world_size, engine.dp_rank; initialize(training_data=...) does)")
+
+    def close(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+
+
+def _count_hook(comm: Comm, split: Split):
+    """A forward hook adding the collectives torch's style runs for ``split`` (forward, and the
+    backward that follows when the input needs a gradient) to ``comm``'s counter."""
+    n = comm.world_size
+    factor = (n - 1) / n
+
+    def nbytes(t: Any) -> int:
+        from .tensor import _is_dtensor
+        if not isinstance(t, torch.Tensor):
+            return 0
+        if _is_dtensor(t):
+            t = t.to_local()
+        return t.numel() * t.element_size()
+
+    def hook(module, args, output):
+        if n == 1:
+            return
+        x = args[0] if args else None
+        if split.kind in ("row", "vocab"):  # partial outputs summed: an all-reduce
+            comm.counter.add("all_reduce", 2 * nbytes(output) * factor, comm.label)
+        if split.kind == "column_gather":  # each rank's slice of the output gathered
+            comm.counter.add("all_gather", nbytes(output) * factor, comm.label)
+        backward = torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.requires_grad
+        if backward and split.kind in ("column", "column_gather"):  # the input's gradient summed
+            comm.counter.add("all_reduce", 2 * nbytes(x) * factor, comm.label)
+    return hook

@@ -1,0 +1,354 @@
+"""Tensor parallelism on torch's own DTensor styles, and where each slice sits in the whole tensor.
+
+A *plan* maps module names of the model to a :class:`Split`:
+
+* ``column``: a ``Linear`` whose output features are split over the tensor-parallel ranks (torch's
+  ``ColwiseParallel``: the weight's rows, ``Shard(0)``); its input is the whole activation and
+  its output this rank's slice of features. ``blocks=k`` splits a fused weight made of ``k``
+  stacked blocks (attention's ``q, k, v`` in one ``c_attn``): each rank takes its slice of every
+  block, so it holds whole heads of each.
+* ``row``: a ``Linear`` whose input features are split (``RowwiseParallel``: the weight's columns,
+  ``Shard(1)``; the bias replicated); partial outputs are summed over the ranks (all-reduce).
+* ``vocab``: an ``Embedding`` whose rows (the vocabulary) are split; each rank looks up the ids it
+  holds and the results are summed (``RowwiseParallel`` on an embedding).
+* ``column_gather``: a column split whose output is gathered whole (an output layer whose logits
+  the loss needs whole).
+
+``transformers``' ``Conv1D`` (GPT-2's layers, weight stored transposed) takes the same splits.
+Norms, biases of row splits and everything outside the plan stay replicated (the same values
+on every tensor-parallel rank).
+
+Each split parameter has a :class:`TPSlice` saying which part of the unsplit tensor this rank
+holds (recorded on its module; :func:`model_slices` lists them), which the flat groups keep for
+checkpoints, consolidation and the gradient-norm rule; and the attributes Megatron and DeepSpeed
+use for the same (``tensor_model_parallel``, ``partition_dim``).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class TensorParallelError(ValueError):
+    """A model or plan that cannot be split over the tensor-parallel ranks as asked."""
+
+
+@dataclass(frozen=True)
+class TPSlice:
+    """Which part of an unsplit parameter one tensor-parallel rank holds.
+
+    Along ``dim`` the unsplit tensor is ``blocks`` equal blocks (1 for a plain split); rank ``r``
+    of ``size`` holds slice ``r`` of ``size`` equal slices of each block, concatenated in block
+    order. ``shape`` is the unsplit shape."""
+
+    dim: int
+    size: int
+    rank: int
+    shape: tuple[int, ...]
+    blocks: int = 1
+
+    def ranges(self, rank: Optional[int] = None) -> list[tuple[int, int]]:
+        """The ``[start, stop)`` ranges along ``dim`` of the unsplit tensor that ``rank`` (default:
+        this one) holds, in the order its local tensor holds them."""
+        rank = self.rank if rank is None else rank
+        block = self.shape[self.dim] // self.blocks
+        part = block // self.size
+        return [(b * block + rank * part, b * block + (rank + 1) * part) for b in range(self.blocks)]
+
+    def local_shape(self) -> tuple[int, ...]:
+        shape = list(self.shape)
+        shape[self.dim] //= self.size
+        return tuple(shape)
+
+    def take(self, full: torch.Tensor, rank: Optional[int] = None) -> torch.Tensor:
+        """This rank's (or ``rank``'s) local tensor, cut from the unsplit ``full``."""
+        return torch.cat([full.narrow(self.dim, a, b - a) for a, b in self.ranges(rank)], dim=self.dim)
+
+    def place(self, full: torch.Tensor, local: torch.Tensor, rank: Optional[int] = None) -> None:
+        """Write ``local`` (``rank``'s tensor) into its place in ``full``."""
+        at = 0
+        for a, b in self.ranges(rank):
+            full.narrow(self.dim, a, b - a).copy_(local.narrow(self.dim, at, b - a))
+            at += b - a
+
+    def as_dict(self) -> dict:
+        return {"dim": self.dim, "size": self.size, "shape": list(self.shape), "blocks": self.blocks}
+
+
+#: Where a split module records its parameters' slices: ``{parameter name: TPSlice}``. On the
+#: module, not the parameter: ``module.to()`` swaps a DTensor parameter's contents with a new
+#: one's (``torch.utils.swap_tensors``), its ``__dict__`` included.
+SLICES_ATTR = "_zerodp_tp_slices"
+
+
+def mark(module: nn.Module, pname: str, param: torch.Tensor, tp: TPSlice) -> None:
+    """Record which slice of the unsplit tensor ``module.<pname>`` holds (on the module), and mark
+    the parameter as Megatron and DeepSpeed do a split one."""
+    module.__dict__.setdefault(SLICES_ATTR, {})[pname] = tp
+    param.tensor_model_parallel = True
+    param.partition_dim = tp.dim
+    param.partition_stride = 1
+
+
+def model_slices(model: nn.Module, tp_size: int = 1, tp_rank: int = 0) -> dict[int, TPSlice]:
+    """``id(parameter) -> TPSlice`` of every split parameter of ``model``: those zerodp split
+    (recorded on their modules), and in a model split by its script those Megatron marks
+    (``tensor_model_parallel`` with ``partition_dim``) or that are ``DTensor``s sharded on one
+    dimension, taken to hold slice ``tp_rank`` of ``tp_size`` equal slices."""
+    out: dict[int, TPSlice] = {}
+    for mod in model.modules():
+        for pname, tp in mod.__dict__.get(SLICES_ATTR, {}).items():
+            p = getattr(mod, pname, None)
+            if p is not None:
+                out[id(p)] = tp
+    for p in model.parameters():
+        if id(p) in out:
+            continue
+        if _is_dtensor(p):
+            shards = [pl for pl in p.placements if pl.is_shard()]
+            if shards:
+                mesh = p.device_mesh
+                out[id(p)] = TPSlice(shards[0].dim % p.dim(), mesh.size(), mesh.get_local_rank(), tuple(p.shape))
+        elif getattr(p, "tensor_model_parallel", False) or getattr(p, "model_parallel", False):
+            dim = getattr(p, "partition_dim", 0)
+            shape = list(p.shape)
+            shape[dim] *= tp_size
+            out[id(p)] = TPSlice(dim, tp_size, tp_rank, tuple(shape))
+    return out
+
+
+@dataclass(frozen=True)
+class Split:
+    """How one module is split (see the module docstring)."""
+
+    kind: str  # "column", "row", "vocab", "column_gather"
+    blocks: int = 1
+    whole_input: bool = False
+    """A row split whose input arrives whole on every rank (each rank takes its slice of it)."""
+
+    KINDS = ("column", "row", "vocab", "column_gather")
+
+    def __post_init__(self) -> None:
+        if self.kind not in self.KINDS:
+            raise TensorParallelError(f"tensor_parallel: unknown split {self.kind!r}; allowed: {', '.join(self.KINDS)}")
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    """``transformers``' ``Conv1D``: a linear layer whose weight is stored ``(in, out)``."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+
+
+def _param_splits(module: nn.Module, split: Split) -> dict[str, Optional[tuple[int, int]]]:
+    """Parameter name -> (dim, blocks) of its split, or None where it stays replicated."""
+    conv = _is_conv1d(module)
+    if isinstance(module, nn.Embedding):
+        if split.kind != "vocab" and split.kind != "column":
+            raise TensorParallelError(f"an Embedding takes the 'vocab' or 'column' split, not {split.kind!r}")
+        return {"weight": (0 if split.kind == "vocab" else 1, 1)}
+    if not (isinstance(module, nn.Linear) or conv):
+        raise TensorParallelError(f"only Linear, Embedding and transformers' Conv1D can be split, not "
+                                  f"{type(module).__name__}")
+    out_dim, in_dim = (1, 0) if conv else (0, 1)
+    if split.kind in ("column", "column_gather"):
+        return {"weight": (out_dim, split.blocks), "bias": (0, split.blocks)}
+    if split.kind == "row":
+        return {"weight": (in_dim, 1), "bias": None}
+    raise TensorParallelError(f"a {type(module).__name__} takes the 'column', 'column_gather' or 'row' split, "
+                              f"not {split.kind!r}")
+
+
+def check_divisible(name: str, module: nn.Module, split: Split, tp: int) -> None:
+    """Refuse, naming the layer, a split that does not come out even."""
+    for pname, how in _param_splits(module, split).items():
+        p = getattr(module, pname, None)
+        if p is None or how is None:
+            continue
+        dim, blocks = how
+        n = p.shape[dim]
+        if n % blocks or (n // blocks) % tp:
+            what = f"{blocks} blocks of {n // blocks}" if blocks > 1 else f"{n}"
+            raise TensorParallelError(
+                f"{name}.{pname}: dimension {dim} of shape {tuple(p.shape)} ({what}) does not split evenly over "
+                f"{tp} tensor-parallel ranks; choose a tensor-parallel size that divides it")
+
+
+def _style(split: Split):
+    """Torch's parallel style for ``split``: its column or row style (inputs and outputs laid
+    out as torch does), with the parameters cut by :func:`_partition` so that fused blocks and
+    ``Conv1D`` split too and every split parameter is marked with its :class:`TPSlice`."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if split.kind in ("row", "vocab"):
+        whole = split.kind == "vocab" or split.whole_input
+        base, kwargs = RowwiseParallel, ({"input_layouts": Replicate()} if whole else {})
+    else:
+        base = ColwiseParallel
+        kwargs = {"output_layouts": Replicate() if split.kind == "column_gather" else Shard(-1)}
+    style = _styles()[base](**kwargs)
+    style.split = split
+    return style
+
+
+_STYLE_CLASSES: dict = {}
+
+
+def _styles() -> dict:
+    """Subclasses of torch's ``ColwiseParallel`` and ``RowwiseParallel`` whose parameters are cut
+    by :func:`_partition` (made once, on first use: torch's TP imports only then)."""
+    if not _STYLE_CLASSES:
+        from functools import partial
+
+        from torch.distributed.tensor import Replicate, Shard, distribute_module
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        def apply(self, module, device_mesh):
+            if isinstance(self, RowwiseParallel):  # what torch's row style sets in its own _apply
+                self.desired_input_layouts = (Replicate(),) if isinstance(module, nn.Embedding) else (Shard(-1),)
+            return distribute_module(
+                module, device_mesh,
+                lambda name, mod, mesh: _partition(mod, self.split, mesh) if mod is module else None,
+                partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+                partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+
+        for base in (ColwiseParallel, RowwiseParallel):
+            _STYLE_CLASSES[base] = type(f"Zerodp{base.__name__}", (base,), {"_apply": apply})
+    return _STYLE_CLASSES
+
+
+def _shard_param(module: nn.Module, pname: str, dim: int, blocks: int, mesh) -> None:
+    """Replace ``module.<pname>`` by a DTensor parameter holding this rank's slice (of every
+    block), taken from tensor-parallel rank 0's values, marked with its ``TPSlice``."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    p = getattr(module, pname)
+    size, rank = mesh.size(), mesh.get_local_rank()
+    full = p.detach().contiguous()
+    if size > 1:  # every rank cuts its slice from rank 0's values
+        dist.broadcast(full, src=dist.get_global_rank(mesh.get_group(), 0), group=mesh.get_group())
+    tp = TPSlice(dim, size, rank, tuple(full.shape), blocks)
+    local = tp.take(full).contiguous()
+    dt = DTensor.from_local(local, mesh, [Shard(dim)], run_check=False)
+    new = nn.Parameter(dt, requires_grad=p.requires_grad)
+    module.register_parameter(pname, new)
+    mark(module, pname, new, tp)
+
+
+def _replicate_param(module: nn.Module, pname: str, mesh) -> None:
+    from torch.distributed.tensor import DTensor, Replicate
+
+    p = getattr(module, pname)
+    full = p.detach().contiguous()
+    if mesh.size() > 1:
+        dist.broadcast(full, src=dist.get_global_rank(mesh.get_group(), 0), group=mesh.get_group())
+    module.register_parameter(pname, nn.Parameter(DTensor.from_local(full, mesh, [Replicate()], run_check=False),
+                                                  requires_grad=p.requires_grad))
+
+
+def _partition(module: nn.Module, split: Split, mesh) -> None:
+    for pname, how in _param_splits(module, split).items():
+        if getattr(module, pname, None) is None:
+            continue
+        if how is None:
+            _replicate_param(module, pname, mesh)
+        else:
+            _shard_param(module, pname, how[0], how[1], mesh)
+
+
+def resolve_plan(model: nn.Module, plan: dict[str, Split]) -> dict[str, Split]:
+    """The plan's patterns (module names; ``*`` matches one name component, as in
+    ``transformers``' plans) matched to the model's modules: module name -> split. A pattern
+    that matches nothing is an error naming it."""
+    names = [n for n, _ in model.named_modules() if n]
+    out: dict[str, Split] = {}
+    for pattern, split in plan.items():
+        rx = re.compile("^" + re.escape(pattern).replace(r"\*", r"[^.]+") + "$")
+        hits = [n for n in names if rx.match(n)]
+        if not hits:
+            raise TensorParallelError(f"tensor-parallel plan: {pattern!r} matches no module of the model")
+        for n in hits:
+            out[n] = split
+    return out
+
+
+def split_parameters(model: nn.Module, plan: dict[str, Split]) -> list[nn.Parameter]:
+    """The parameters ``plan`` splits (each once; a row split's bias stays whole). No process group
+    is needed: the estimator counts them on a model built on the meta device."""
+    modules = dict(model.named_modules())
+    seen: dict[int, nn.Parameter] = {}
+    for name, split in resolve_plan(model, plan).items():
+        for pname, how in _param_splits(modules[name], split).items():
+            p = getattr(modules[name], pname, None)
+            if p is not None and how is not None:
+                seen[id(p)] = p
+    return list(seen.values())
+
+
+def apply_plan(model: nn.Module, plan: dict[str, Split], mesh) -> dict[str, Split]:
+    """Split ``model`` in place over the tensor-parallel ``mesh`` as ``plan`` says, and make every
+    parameter and buffer left whole the same on every tensor-parallel rank (rank 0's); returns
+    the resolved plan (module name -> split)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    resolved = resolve_plan(model, plan)
+    modules = dict(model.named_modules())
+    tp = mesh.size()
+    for name, split in resolved.items():
+        check_divisible(name, modules[name], split, tp)
+    tied = _tied_names(model)
+    parallelize_module(model, mesh, {name: _style(split) for name, split in resolved.items()})
+    _retie(model, tied)
+    group, src = mesh.get_group(), dist.get_global_rank(mesh.get_group(), 0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if not _is_dtensor(p):
+                dist.broadcast(p.data, src=src, group=group)
+        for b in model.buffers():
+            if not _is_dtensor(b):
+                dist.broadcast(b, src=src, group=group)
+    return resolved
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without DTensor
+        return False
+    return isinstance(t, DTensor)
+
+
+def _tied_names(model: nn.Module) -> list[list[tuple[str, str]]]:
+    """Parameters registered under more than one (module, name): each such set, in order."""
+    by_id: dict[int, list[tuple[str, str]]] = {}
+    for mname, mod in model.named_modules(remove_duplicate=False):
+        for pname, p in mod.named_parameters(recurse=False):
+            by_id.setdefault(id(p), [])
+            if (mname, pname) not in by_id[id(p)]:
+                by_id[id(p)].append((mname, pname))
+    return [v for v in by_id.values() if len(v) > 1]
+
+
+def _retie(model: nn.Module, tied: list[list[tuple[str, str]]]) -> None:
+    """Tie again the parameters a split replaced in one of their modules only: every module of
+    a tied set takes the split parameter (both sides must ask for the same split)."""
+    modules = dict(model.named_modules(remove_duplicate=False))
+    for names in tied:
+        slices = [modules[m].__dict__.get(SLICES_ATTR, {}).get(p) for m, p in names]
+        split = [(m, p) for (m, p), tp in zip(names, slices) if tp is not None]
+        if not split:
+            continue
+        if any(tp != slices[names.index(split[0])] for tp in slices):
+            raise TensorParallelError(
+                "tied parameters " + ", ".join(f"{m}.{p}" for m, p in names) + " are split differently by "
+                "the plan; give the modules that share them the same split (an embedding tied to the output "
+                "layer: 'vocab' and 'column_gather' both split the vocabulary)")
+        first_m, first_p = split[0]
+        first, tp = getattr(modules[first_m], first_p), slices[names.index(split[0])]
+        for m, p in names:
+            setattr(modules[m], p, first)
+            modules[m].__dict__.setdefault(SLICES_ATTR, {})[p] = tp

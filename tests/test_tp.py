@@ -1,0 +1,181 @@
+"""Tensor parallelism and hybrid sharding composed with ZeRO: parity with one process.
+
+Every case runs on the pool's 4 ranks as a grid (tensor x data, or shard x replica) and is
+compared with the same model trained in one process on the whole global batch
+(``tp_tasks.reference``), with gradient accumulation and clipping that binds (the norms are
+above the clip). SGD with momentum carries every gradient error into the parameters linearly,
+so those cases are held to 1e-6. Under AdamW a parameter whose exact gradient is zero (the key
+projection's bias: softmax ignores a shift shared by all keys) gets rounding noise for a gradient,
+which Adam's normalization turns into an update of up to lr x noise / eps; splitting the matmuls
+over ranks changes that noise, so AdamW cases are held to 3e-5.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from tp_tasks import (
+    grid_round_trip,
+    megatron_reference,
+    megatron_train,
+    mismatched_batch,
+    reference,
+    save_and_export,
+    train,
+)
+
+STEPS, GAS, CLIP = 3, 2, 0.5
+
+
+def assert_matches(results, ref, atol, norm_rtol=1e-6):
+    for rank, res in enumerate(results):
+        assert sorted(res["params"]) == sorted(ref["params"])
+        for name, want in ref["params"].items():
+            err = (res["params"][name] - want).abs().max().item()
+            assert err <= atol, f"rank {rank} param {name}: max |diff| {err:.3g} > {atol}"
+        for step, (got, want) in enumerate(zip(res["norms"], ref["norms"])):
+            assert got == pytest.approx(want, rel=norm_rtol), f"rank {rank} step {step} grad norm"
+    assert min(ref["norms"]) > CLIP  # clipping binds
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_tp2_dp2_example_gpt(pool, stage):
+    results = pool.run(train, 4, "gpt", stage, 2, STEPS, gas=GAS, clip=CLIP, optimizer_name="SGD")
+    assert [(r["dp_rank"], r["tp_rank"]) for r in results] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert_matches(results, reference("gpt", 2, STEPS, GAS, CLIP, "SGD"), atol=1e-6)
+
+
+def test_tp4_dp1(pool):
+    results = pool.run(train, 4, "gpt", 2, 4, STEPS, gas=GAS, clip=CLIP, optimizer_name="SGD")
+    assert_matches(results, reference("gpt", 1, STEPS, GAS, CLIP, "SGD"), atol=1e-6)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_tp2_dp2_adamw(pool, stage):
+    results = pool.run(train, 4, "gpt", stage, 2, STEPS, gas=GAS, clip=CLIP)
+    assert_matches(results, reference("gpt", 2, STEPS, GAS, CLIP), atol=3e-5, norm_rtol=1e-5)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_tp2_dp2_transformers_llama(pool, stage):
+    """A ``transformers`` Llama (grouped key/value heads, untied output layer) split by its own
+    ``tp_plan``: q/k/v and gate/up by columns, o and down by rows, the embedding by vocabulary."""
+    results = pool.run(train, 4, "llama", stage, 2, STEPS, gas=GAS, clip=CLIP, optimizer_name="SGD")
+    assert_matches(results, reference("llama", 2, STEPS, GAS, CLIP, "SGD"), atol=1e-6)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_hybrid_shard2_replicate2(pool, stage):
+    """mics_shard_size 2 on 4 data-parallel ranks: sharded inside {0,1} and {2,3}, replicated
+    across; gradients summed across the replicas once per step."""
+    results = pool.run(train, 4, "gpt", stage, 1, STEPS, gas=GAS, clip=CLIP, hybrid=2, optimizer_name="SGD")
+    assert_matches(results, reference("gpt", 4, STEPS, GAS, CLIP, "SGD"), atol=1e-6)
+    comm = results[0]["comm"]
+    assert comm["replica"]["all_reduce"] > 0 and comm["data"]["reduce_scatter"] > 0
+
+
+def test_tp2_bf16_follows_fp32(pool):
+    """bf16 parameters with fp32 masters: the fp32 reference within bf16 precision."""
+    results = pool.run(train, 4, "gpt", 2, 2, STEPS, gas=GAS, clip=CLIP, dtype="bf16", optimizer_name="SGD")
+    assert_matches(results, reference("gpt", 2, STEPS, GAS, CLIP, "SGD"), atol=5e-3, norm_rtol=5e-3)
+
+
+@pytest.mark.parametrize("case", ["offload", "plain_loop"])
+def test_tp2_with_offload_and_the_plain_loop(pool, case):
+    kw = {"offload": True} if case == "offload" else {"plain_loop": True}
+    results = pool.run(train, 4, "gpt", 2, 2, STEPS, gas=GAS, clip=CLIP, optimizer_name="SGD", **kw)
+    assert_matches(results, reference("gpt", 2, STEPS, GAS, CLIP, "SGD"), atol=1e-6)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_megatron_style_model_with_an_mpu(pool, stage):
+    """A script that split its model itself (hand-written column/row layers, Megatron's marks)
+    and passes an ``mpu``: ZeRO shards over its data-parallel groups, the norm counts each split
+    parameter's slices on every tensor rank and the replicated ones once."""
+    results = pool.run(megatron_train, 4, stage, 2, STEPS, CLIP)
+    assert results[0]["grid"] == "data 2 x tensor 2"
+    assert_matches(results, megatron_reference(2, STEPS, CLIP), atol=1e-6)
+
+
+def test_model_states_per_rank_follow_the_split(pool):
+    """Stage 3, fp32, AdamW: each rank holds 16 bytes per element of its local model (a split
+    parameter's 1/N_tp, a replicated one whole), divided over the data-parallel ranks."""
+    from tp_tasks import build_gpt
+    model = build_gpt()
+    split = {"wte.weight"} | {n for n, _ in model.named_parameters()
+                              if any(k in n for k in ("c_attn", "c_fc")) or n.endswith("c_proj.weight")}
+    local = sum(p.numel() // (2 if n in split else 1) for n, p in model.named_parameters())
+    results = pool.run(train, 4, "gpt", 3, 2, 1)
+    for r in results:
+        assert r["local_numel"] == pytest.approx(local, abs=64)
+        states = r["memory"]["parameters"] + r["memory"]["gradients"] + r["memory"]["optimizer_states"]
+        assert states == pytest.approx(16 * local / 2, rel=0.02)
+
+
+def test_a_batch_that_differs_inside_a_tensor_group_fails_naming_the_ranks(pool):
+    errors = pool.run(mismatched_batch, 4, 2)
+    for e in errors[:2]:
+        assert "ranks [0] and ranks [1] got different inputs" in e, e
+    assert errors[2] == errors[3] == "no error"
+
+
+def test_tp_slice_takes_and_places_fused_blocks():
+    from zerodp.parallel import TPSlice
+    full = torch.arange(24.).reshape(12, 2)  # three blocks (q, k, v) of 4 rows
+    parts = [TPSlice(0, 2, r, (12, 2), blocks=3) for r in range(2)]
+    assert parts[0].ranges() == [(0, 2), (4, 6), (8, 10)]
+    back = torch.zeros_like(full)
+    for r, tp in enumerate(parts):
+        assert tp.take(full).shape == (6, 2)
+        tp.place(back, tp.take(full), r)
+    assert torch.equal(back, full)
+
+
+def test_checkpoints_move_between_grids(pool, tmp_path):
+    """TP2 x DP2 stage 3 -> TP1 x DP4 stage 1 -> TP4 x DP1 stage 2 -> shard 2 x replica 2 stage 3,
+    each loading the last one's checkpoint with no conversion and going on as one process would."""
+    legs = [(3, 2, 0, 2), (1, 1, 0, 1), (2, 4, 0, 1), (3, 1, 2, 1)]
+    results = pool.run(grid_round_trip, 4, str(tmp_path), legs, GAS, CLIP)
+    dp = [2, 2, 4, 1, 4]
+    assert all(r["global_steps"] == 5 for r in results)
+    assert_matches(results, reference("gpt", dp, 5, GAS, CLIP, "SGD"), atol=1e-6)
+
+
+def test_save_16bit_model_and_consolidate_write_the_unsplit_model(pool, tmp_path):
+    """From a TP2 x DP2 stage-3 run: engine.save_16bit_model gathers every slice, and
+    ``zerodp consolidate`` writes the same full tensors from the checkpoint's files."""
+    from zerodp.checkpoint import consolidate
+    from zerodp.checkpoint.tensorfile import load_file
+    results = pool.run(save_and_export, 4, str(tmp_path), 3, 2)
+    want = reference("gpt", 2, 2, GAS, CLIP, "SGD")["params"]
+    saved = torch.load(tmp_path / "model16.pt")
+    files = consolidate(tmp_path, tmp_path / "full", tag="tp")
+    merged = {}
+    for f in files:
+        merged.update(load_file(f))
+    for name, value in want.items():
+        assert (results[0]["params"][name] - value).abs().max().item() <= 1e-6
+        assert (saved[name] - value).abs().max().item() <= 1e-6, name
+        assert (merged[name] - value).abs().max().item() <= 1e-6, name
+    assert torch.equal(saved["lm_head.weight"], saved["wte.weight"])  # tied, under both names
+
+
+def test_activation_checkpointing_with_tp(pool):
+    """A Llama with gradient checkpointing (recomputed forwards issue the split layers'
+    collectives again) on TP2 x DP2 at stage 3."""
+    from tp_tasks import llama_checkpointed
+    results = pool.run(llama_checkpointed, 4, 3, 2, STEPS)
+    assert_matches(results, reference("llama", 2, STEPS, GAS, CLIP, "SGD"), atol=1e-6)
+
+
+def test_tensor_group_bytes_are_the_collectives_torch_ran(pool):
+    """What comm_stats counts for the tensor group is what DTensor issued (torch's CommDebugMode):
+    per block the attention and MLP output all-reduces and the two input-gradient all-reduces of
+    the column splits, the embedding's all-reduce, the output layer's all-gather and its input's
+    gradient all-reduce."""
+    from tp_tasks import count_tensor_collectives
+    results = pool.run(count_tensor_collectives, 4, 2)
+    layers = 2
+    for r in results:
+        assert r["debug_counts"].get("all_reduce", 0) == 2 + 4 * layers, r["debug_counts"]
+        assert r["debug_counts"].get("all_gather_into_tensor", 0) == 1, r["debug_counts"]
+        assert r["engine"]["calls"] == r["debug_counts"]["all_reduce"] + 1 + 1  # + the batch check
