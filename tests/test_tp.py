@@ -23,6 +23,8 @@ from tp_tasks import (
     train,
 )
 
+import zerodp
+
 STEPS, GAS, CLIP = 3, 2, 0.5
 
 
@@ -61,6 +63,27 @@ def test_tp2_dp2_transformers_llama(pool, stage):
     ``tp_plan``: q/k/v and gate/up by columns, o and down by rows, the embedding by vocabulary."""
     results = pool.run(train, 4, "llama", stage, 2, STEPS, gas=GAS, clip=CLIP, optimizer_name="SGD")
     assert_matches(results, reference("llama", 2, STEPS, GAS, CLIP, "SGD"), atol=1e-6)
+
+
+def test_tp2_dp2_transformers_gpt2(pool):
+    """``transformers``' GPT-2 ships no plan; zerodp's splits its ``Conv1D`` layers (weights stored
+    transposed) and the fused ``c_attn`` by heads, and the tied vocabulary."""
+    results = pool.run(train, 4, "gpt2", 2, 2, STEPS, gas=GAS, clip=CLIP, optimizer_name="SGD")
+    assert_matches(results, reference("gpt2", 2, STEPS, GAS, CLIP, "SGD"), atol=1e-6)
+
+
+@pytest.mark.parametrize("grid_from", ["mesh", "tp_model_init"])
+def test_the_grid_from_a_device_mesh_or_tp_model_init(pool, grid_from):
+    results = pool.run(train, 4, "gpt", 1, 2, STEPS, gas=GAS, clip=CLIP, optimizer_name="SGD", grid_from=grid_from)
+    assert [(r["dp_rank"], r["tp_rank"]) for r in results] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert_matches(results, reference("gpt", 2, STEPS, GAS, CLIP, "SGD"), atol=1e-6)
+
+
+def test_heads_that_do_not_split_are_refused_naming_the_layer(pool):
+    from tp_tasks import refused_split
+    errors = pool.run(refused_split, 4, 2, 4)
+    assert all(e.startswith("blocks.0.attn: 2 attention heads do not split over 4 tensor-parallel ranks")
+               for e in errors), errors
 
 
 @pytest.mark.parametrize("stage", [1, 3])
@@ -105,10 +128,12 @@ def test_model_states_per_rank_follow_the_split(pool):
                               if any(k in n for k in ("c_attn", "c_fc")) or n.endswith("c_proj.weight")}
     local = sum(p.numel() // (2 if n in split else 1) for n, p in model.named_parameters())
     results = pool.run(train, 4, "gpt", 3, 2, 1)
+    estimated = zerodp.estimate(build_gpt(), ranks_per_node=4, tp=2, precision="fp32").row(3)
     for r in results:
         assert r["local_numel"] == pytest.approx(local, abs=64)
         states = r["memory"]["parameters"] + r["memory"]["gradients"] + r["memory"]["optimizer_states"]
         assert states == pytest.approx(16 * local / 2, rel=0.02)
+        assert r["memory"]["model_states"] == pytest.approx(estimated.model_states, rel=0.02)
 
 
 def test_a_batch_that_differs_inside_a_tensor_group_fails_naming_the_ranks(pool):
@@ -179,3 +204,27 @@ def test_tensor_group_bytes_are_the_collectives_torch_ran(pool):
         assert r["debug_counts"].get("all_reduce", 0) == 2 + 4 * layers, r["debug_counts"]
         assert r["debug_counts"].get("all_gather_into_tensor", 0) == 1, r["debug_counts"]
         assert r["engine"]["calls"] == r["debug_counts"]["all_reduce"] + 1 + 1  # + the batch check
+
+
+def test_world_8_tp2_with_hybrid_shard2_x_replica2(tmp_path):
+    """Eight processes: tensor groups {0,1},{2,3},..; inside each data axis of four ranks, shard
+    groups of two and their replicas (``grid8_script.py``). Stage 3 against one process."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    here = Path(__file__).parent
+    out = tmp_path / "out.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(here.parent / "src"), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8",
+                           str(here / "grid8_script.py"), str(out)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert out.exists(), (proc.stdout + proc.stderr)[-4000:]  # judged by what rank 0 wrote
+    got = json.loads(out.read_text())
+    assert got["max_err"] <= 1e-6
+    assert got["norms"] == pytest.approx(got["ref_norms"], rel=1e-6)
+    assert min(got["ref_norms"]) > CLIP
+    comm = got["comm"]
+    assert comm["replica"]["all_reduce"] > 0 and comm["tensor"]["all_reduce"] > 0 and comm["data"]["all_gather"] > 0

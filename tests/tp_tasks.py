@@ -39,7 +39,15 @@ def build_llama(seed: int = 0):
     return LlamaForCausalLM(cfg)
 
 
-MODELS = {"gpt": build_gpt, "llama": build_llama}
+def build_gpt2(seed: int = 0):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(seed)
+    cfg = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=SEQ, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa", bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(cfg)
+
+
+MODELS = {"gpt": build_gpt, "llama": build_llama, "gpt2": build_gpt2}
 
 
 def batch(step: int, dp_rank: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,7 +58,7 @@ def batch(step: int, dp_rank: int, micro: int) -> tuple[torch.Tensor, torch.Tens
 
 def loss_of(model_name: str, out, y) -> torch.Tensor:
     if model_name == "gpt":
-        return out[1]
+        return out[1]  # the transformers models: the loss from the logits
     return F.cross_entropy(out.logits.float().reshape(-1, VOCAB), y.reshape(-1))
 
 
@@ -122,14 +130,23 @@ def whole_params(engine) -> dict[str, torch.Tensor]:
 
 def train(group, model_name: str, stage: int, tp: int, steps: int, gas: int = 1, clip: float = 0.0,
           dtype: str = "fp32", hybrid: int = 0, offload: bool = False, plain_loop: bool = False,
-          optimizer_name: str = "AdamW") -> dict:
+          optimizer_name: str = "AdamW", grid_from: str = "config") -> dict:
     """Worker task on every rank of the pool's world: train on the grid, return whole parameters,
-    the gradient norms, the grid's facts, memory and traffic."""
+    the gradient norms, the grid's facts, memory and traffic. ``grid_from``: the config's
+    ``autotp_size``, a ``DeviceMesh`` passed as ``mesh_param`` (``"mesh"``), or ``tp_model_init``."""
     world = dist.get_world_size()
     dp = world // tp
     model = MODELS[model_name]()
-    engine, optimizer, _, _ = zerodp.initialize(model=model, config=config(stage, tp, dp, gas, clip, dtype,
-                                                                           hybrid, offload, optimizer_name))
+    cfg = config(stage, tp, dp, gas, clip, dtype, hybrid, offload, optimizer_name)
+    kwargs = {}
+    if grid_from == "mesh":
+        from torch.distributed.device_mesh import init_device_mesh
+        del cfg["tensor_parallel"]
+        kwargs["mesh_param"] = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    elif grid_from == "tp_model_init":
+        del cfg["tensor_parallel"]
+        model = zerodp.tp_model_init(model, tp_size=tp, dtype=torch.float32)
+    engine, optimizer, _, _ = zerodp.initialize(model=model, config=cfg, **kwargs)
     dp_rank = engine.dp_rank
     norms = []
     for step in range(steps):
@@ -368,3 +385,13 @@ def count_tensor_collectives(group, tp: int) -> dict:
     out = {"debug_counts": counts, "engine": engine.comm_stats(by_group=True)["tensor"]}
     engine.destroy()
     return out
+
+
+def refused_split(group, n_head: int, tp: int) -> str:
+    """What initialize says of a model whose heads do not split over ``tp`` ranks."""
+    model = build_gpt(n_head=n_head)
+    try:
+        zerodp.initialize(model=model, config=config(1, tp, dist.get_world_size() // tp))
+    except ValueError as e:
+        return str(e)
+    return "no error"
