@@ -7,6 +7,8 @@
 * ``fsdp2-noreshard``  the same with ``reshard_after_forward=False``
 * ``ds1`` ``ds2`` ``ds3``          DeepSpeed ZeRO stages 1-3
 * ``zero0`` .. ``zero3``           zerodp stages 0-3
+* ``zero3-tp2`` ``fsdp2-tp2``      tensor parallelism over pairs of ranks, with zerodp stage 3 or
+                                   FSDP2 over the data-parallel ranks (a 2-D mesh)
 * with ``--systems``, also offload: ``ds2-offload`` ``ds3-offload`` (DeepSpeed ZeRO-Offload),
   ``zero2-offload`` ``zero3-offload`` ``zero3-nvme`` (zerodp; ``benchmarks/offload.py`` runs them)
 
@@ -84,6 +86,12 @@ SYSTEMS = [
     System("zero1", "zerodp", "zerodp stage 1", ("zerodp",)),
     System("zero2", "zerodp", "zerodp stage 2", ("zerodp",)),
     System("zero3", "zerodp", "zerodp stage 3", ("zerodp",)),
+    # tensor parallelism (2 adjacent ranks per layer, the example GPT's plan on torch's TP styles);
+    # each data-parallel rank trains on the micro-batches of the 2 ranks it stands for, so the
+    # global batch, the losses and the norms are the data-parallel systems' at the same world size
+    System("zero3-tp2", "zerodp", "zerodp stage 3 over DP N/2 x TP 2", ("zerodp",)),
+    System("fsdp2-tp2", "torch", "FSDP2 over DP N/2 x torch TP 2 (the same plan), reshard_after_forward=True",
+           ("torch.distributed.fsdp", "torch.distributed.tensor.parallel", "zerodp")),
     # offload (benchmarks/offload.py --part steps runs these): each system's own CPU Adam
     System("ds2-offload", "deepspeed", "DeepSpeed ZeRO-Offload stage 2 (DeepSpeedCPUAdam)", ("deepspeed",)),
     System("ds3-offload", "deepspeed", "DeepSpeed ZeRO-Offload stage 3, optimizer and parameters on CPU",
@@ -107,6 +115,8 @@ ADAMW = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 #   clipping, summed gradients leave the loss almost unchanged: the norm check catches them.)
 GRAD_NORM_RTOL = 1e-3
 LOSS_ATOL = 1e-4
+#: The tensor-parallel size of the ``-tp2`` systems.
+TP = 2
 
 
 # ============================================================================ worker side
@@ -177,6 +187,30 @@ class CollectiveCounter:
             setattr(c10d, name, wrapper)
             if getattr(dist, name, None) is original:
                 setattr(dist, name, wrapper)
+        # DTensor (tensor parallelism) communicates through the functional collectives
+        from torch.distributed import _functional_collectives as funcol
+
+        def group_size(group) -> int:
+            if isinstance(group, tuple):  # (mesh, dim)
+                return group[0].size(group[1])
+            if hasattr(group, "size") and hasattr(group, "mesh_dim_names"):
+                return group.size()
+            return dist.get_world_size(group)
+
+        def fc_frac(a) -> float:
+            n = group_size(a["group"])
+            return (n - 1) / n
+
+        functional = {
+            "all_reduce": lambda a: 2 * nbytes(a["self"]) * fc_frac(a),
+            "all_gather_tensor": lambda a: nbytes(a["self"]) * group_size(a["group"]) * fc_frac(a),
+            "reduce_scatter_tensor": lambda a: nbytes(a["self"]) * fc_frac(a),
+        }
+        for name, cost in functional.items():
+            original = getattr(funcol, name, None)
+            if original is not None:
+                setattr(funcol, name, self._wrap(f"functional.{name}", original, inspect.signature(original),
+                                                 cost))
 
     def _wrap(self, name, original, signature, cost):
         counter, local = self, self._local
@@ -276,6 +310,35 @@ def _build(system: str, model, gpt, args, world: int) -> Trainer:
             opt = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, **ADAMW)
         return Trainer(torch_step(net, params, opt), extra_comm=lambda: _ddp_bucket_traffic(net, world, params))
 
+    if system == "fsdp2-tp2":  # torch's own 2-D composition: TP inside pairs, FSDP2 across them
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        from zerodp.parallel.plans import GPT_PLAN
+        from zerodp.parallel.tensor import apply_plan
+        mesh = init_device_mesh("cpu", (world // TP, TP), mesh_dim_names=("dp", "tp"))
+        apply_plan(model, GPT_PLAN, mesh["tp"])
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh["dp"], reshard_after_forward=True)
+        fully_shard(model, mesh=mesh["dp"], reshard_after_forward=True)
+        params = list(model.parameters())
+        opt = torch.optim.AdamW(params, **ADAMW)
+
+        def step(x, y):  # clip_grad_norm_ cannot stack norms of 1-D (dp) and 2-D (dp, tp) parameters:
+            _, loss = model(x, y)  # one total per mesh, each made whole, then combined
+            loss.backward()
+            by_mesh: dict = defaultdict(list)
+            for p in params:
+                by_mesh[p.grad.device_mesh].append(p)
+            norm = math.sqrt(sum(float(_norm_value(torch.nn.utils.get_total_norm([p.grad for p in ps]))) ** 2
+                                 for ps in by_mesh.values()))
+            for ps in by_mesh.values():
+                torch.nn.utils.clip_grads_with_norm_(ps, max_norm, torch.tensor(norm))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss, norm
+        return Trainer(step)
+
     if system.startswith("fsdp2"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -318,6 +381,8 @@ def _build(system: str, model, gpt, args, world: int) -> Trainer:
     if system.startswith("zero"):
         import zerodp
         stage, offload = int(system[4]), system[6:]
+        tp = TP if offload == "tp2" else 1
+        offload = "" if offload == "tp2" else offload
         config = {
             "train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
             "gradient_clipping": clip, "steps_per_print": 10**9,
@@ -325,6 +390,7 @@ def _build(system: str, model, gpt, args, world: int) -> Trainer:
                 "stage": stage, "overlap_comm": True, "reduce_bucket_size": bucket_elems,
                 "allgather_bucket_size": bucket_elems,
                 "stage3_prefetch_bucket_size": prefetch_elems, "stage3_max_reuse_distance": 0},
+            "tensor_parallel": {"autotp_size": tp},
         }
         # the peers' optimizer exactly (torch's default AdamW), not the fused one zerodp builds
         # from an "optimizer" config block, so the step times compare the engines alone; with
@@ -372,8 +438,11 @@ def _worker(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
     model = gpt.build_gpt(args.model)
     n_params = model.num_parameters()
-    batches = _common.make_batches(gpt, model.config.block_size, args.micro_batch,
-                                   args.warmup + args.steps, args.seed, rank)
+    tp = TP if args.system.endswith("-tp2") else 1
+    # a tensor-parallel group stands for tp data-parallel ranks of the other systems: their batches
+    per_rank = [_common.make_batches(gpt, model.config.block_size, args.micro_batch, args.warmup + args.steps,
+                                     args.seed, r) for r in range(rank // tp * tp, rank // tp * tp + tp)]
+    batches = [tuple(torch.cat(parts) for parts in zip(*step)) for step in zip(*per_rank)]
     rss_model = _common.rss_now_mib()
     trainer = _build(args.system, model, gpt, args, world)
     rss_ready = _common.rss_now_mib()

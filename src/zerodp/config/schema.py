@@ -163,7 +163,8 @@ class ZeroConfig(_Section):
                                                    "twice the gradient traffic).")
     allgather_partitions: bool = Field(
         True, description="Accepted for compatibility: zerodp picks the all-gather form that is fastest on the "
-                          "backend (per-owner broadcasts on gloo, all_gather_single on NCCL).")
+                          "backend (all_gather_single on NCCL; on gloo per-owner broadcasts for chunks of 1 MiB "
+                          "and more, the tensor form below).")
     stage3_prefetch_bucket_size: _NonNegative = Field(
         50_000_000, description="Stage 3: while a unit computes, all-gather the units expected next (recorded forward "
                                 "order; reverse in backward) while the units gathered ahead of it hold at most this "

@@ -135,12 +135,18 @@ def _from_partition_config(model: nn.Module, partition_config: dict) -> dict[str
     return plan
 
 
+def _is_example_gpt(model: nn.Module) -> bool:
+    """The example GPT, also as a copy of ``examples/gpt.py`` loaded under another module name."""
+    from ..examples.gpt import GPT
+    return isinstance(model, GPT) or (type(model).__name__ == "GPT" and all(
+        hasattr(model, a) for a in ("wte", "wpe", "blocks", "ln_f", "lm_head")))
+
+
 def plan_for(model: nn.Module, partition_config: Optional[dict] = None) -> dict[str, Split]:
     """The tensor-parallel plan of ``model`` (see the module docstring), with patterns."""
     if partition_config:
         return _from_partition_config(model, partition_config)
-    from ..examples.gpt import GPT
-    if isinstance(model, GPT):
+    if _is_example_gpt(model):
         return dict(GPT_PLAN)
     plan = _hf_plan(model)
     if plan:
@@ -154,10 +160,9 @@ def plan_for(model: nn.Module, partition_config: Optional[dict] = None) -> dict[
 
 def check_heads(model: nn.Module, tp: int) -> None:
     """Refuse, naming the first attention layer, attention heads that do not split over ``tp``."""
-    from ..examples.gpt import GPT, CausalSelfAttention
-    if isinstance(model, GPT):
+    if _is_example_gpt(model):
         for name, mod in model.named_modules():
-            if isinstance(mod, CausalSelfAttention) and mod.n_head % tp:
+            if type(mod).__name__ == "CausalSelfAttention" and mod.n_head % tp:
                 raise TensorParallelError(f"{name}: {mod.n_head} attention heads do not split over {tp} "
                                           "tensor-parallel ranks; choose a tensor-parallel size that divides them")
         return
