@@ -228,3 +228,12 @@ def test_world_8_tp2_with_hybrid_shard2_x_replica2(tmp_path):
     assert min(got["ref_norms"]) > CLIP
     comm = got["comm"]
     assert comm["replica"]["all_reduce"] > 0 and comm["tensor"]["all_reduce"] > 0 and comm["data"]["all_gather"] > 0
+
+
+def test_a_model_without_a_plan_split_by_partition_config(pool):
+    """DeepSpeed's AutoTP rules in the config (regular expressions over parameter names) split a
+    model zerodp has no plan for: ``up`` by columns (weight and bias), ``down`` by rows."""
+    from tp_tasks import partition_config_reference, partition_config_train
+    results = pool.run(partition_config_train, 4, 2, 2, STEPS)
+    assert results[0]["split"] == ["down.weight", "up.bias", "up.weight"]
+    assert_matches(results, partition_config_reference(2, STEPS), atol=1e-6)

@@ -395,3 +395,52 @@ def refused_split(group, n_head: int, tp: int) -> str:
     except ValueError as e:
         return str(e)
     return "no error"
+
+
+class PlainMLP(torch.nn.Module):
+    """A model zerodp has no plan for: split only by the config's ``partition_config``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(VOCAB, 16)
+        self.up = torch.nn.Linear(16, 64)
+        self.down = torch.nn.Linear(64, 16)
+        self.head = torch.nn.Linear(16, VOCAB)
+
+    def forward(self, x, y):
+        h = self.emb(x)
+        logits = self.head(h + self.down(torch.relu(self.up(h))))
+        return F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+
+
+PARTITION_CONFIG = {"layer_specs": [{"patterns": [r"^up\.weight$"], "partition_type": "column"},
+                                    {"patterns": [r"^down\.weight$"], "partition_type": "row"}]}
+
+
+def partition_config_train(group, stage: int, tp: int, steps: int) -> dict:
+    cfg = config(stage, tp, dist.get_world_size() // tp, clip=0.5, optimizer="SGD")
+    cfg["tensor_parallel"]["partition_config"] = PARTITION_CONFIG
+    engine, _, _, _ = zerodp.initialize(model=PlainMLP(), config=cfg)
+    norms = []
+    for step in range(steps):
+        engine.backward(engine(*batch(step, engine.dp_rank, 0)))
+        engine.step()
+        norms.append(engine.get_global_grad_norm())
+    out = {"params": whole_params(engine), "norms": norms,
+           "split": sorted(s.name for g in engine.flat_groups for s in g.slots if s.tp is not None)}
+    engine.destroy()
+    return out
+
+
+def partition_config_reference(dp: int, steps: int) -> dict:
+    model = PlainMLP()
+    cls, hyper = OPTIMIZERS["SGD"]
+    opt = cls(model.parameters(), **hyper)
+    norms = []
+    for step in range(steps):
+        opt.zero_grad()
+        (sum(model(*batch(step, r, 0)) for r in range(dp)) / dp).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item())
+        opt.step()
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "norms": norms}
