@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 COLLECTIVE_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "control")
 
-# the tensor forms under their names in this torch (``*_single`` from 2.10, ``*_tensor`` before)
+# the tensor forms under their names in this torch (``*_single``; older releases only have ``*_tensor``)
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
