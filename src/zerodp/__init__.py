@@ -34,6 +34,7 @@ from .core.data import DataLoader
 from .core.engine import ZeroEngine
 from .core.param_api import GatheredParameters, register_external_parameter
 from .parallel import tp_model_init
+from .pipe import PipelineModule
 from .runtime.zero import parameter_offload
 from .tools.estimate import estimate
 from .tools.monitor import monitor_from_config
@@ -132,7 +133,9 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
         cfg = _micro_batch_from_loader(cfg, training_data, collate_fn)
     if dist_init_required is not False:  # from a launcher's environment; alone, no group is needed
         accelerator.init_distributed()
-    grid = parallel.grid_for(model, cfg, mpu=mpu, mesh_param=mesh_param, process_group=process_group)
+    pipelined = isinstance(model, PipelineModule)
+    grid = parallel.grid_for(model, cfg, mpu=mpu, mesh_param=mesh_param, process_group=process_group,
+                             pp=model.num_stages if pipelined else 1)
     if user_loader and training_data.batch_size is not None:  # its batches are the engine's micro-batches
         world = grid.dp_size
         micro = resolve_batch_sizes(cfg, world)[1]
@@ -142,9 +145,12 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
                 f"DataLoader passed as training_data yields batches of {training_data.batch_size}; make "
                 "them agree, or leave train_batch_size and train_micro_batch_size_per_gpu out of the config")
     teardown.install()
-    engine = ZeroEngine(model, cfg, model_parameters=model_parameters, optimizer=optimizer,
-                        lr_scheduler=lr_scheduler, unit_classes=unit_classes,
-                        param_init_fn=param_init_fn, grid=grid)
+    engine_class = ZeroEngine
+    if pipelined:
+        from .parallel.pipeline import PipelineEngine as engine_class
+    engine = engine_class(model, cfg, model_parameters=model_parameters, optimizer=optimizer,
+                          lr_scheduler=lr_scheduler, unit_classes=unit_classes,
+                          param_init_fn=param_init_fn, grid=grid)
     engine.monitor = monitor_from_config(cfg, engine)
     if engine.policy.shard_parameters:
         parameter_offload.attach(engine)  # what TRL's generation helpers touch

@@ -18,9 +18,6 @@ import sys
 #: DeepSpeed name -> what it is.
 NOT_IMPLEMENTED: dict[str, str] = {
     "moe": "Mixture-of-Experts layers (deepspeed.moe)",
-    "pipe": "pipeline parallelism (deepspeed.pipe)",
-    "PipelineModule": "pipeline parallelism (deepspeed.pipe.PipelineModule)",
-    "PipelineEngine": "pipeline parallelism (the pipeline engine)",
     "init_inference": "the inference engine (deepspeed.init_inference)",
     "InferenceEngine": "the inference engine",
     "inference": "the inference engine (deepspeed.inference)",

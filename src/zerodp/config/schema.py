@@ -272,6 +272,25 @@ class TensorParallelConfig(_Section):
         return next(iter(sizes), 1)
 
 
+class PipelineConfig(_Section):
+    """The ``pipeline`` block: how a ``zerodp.pipe.PipelineModule`` runs (docs/pipeline.md)."""
+
+    stages: Union[_Positive, Literal["auto"]] = Field(
+        "auto", description='Pipeline stages; "auto": the PipelineModule\'s num_stages (a number must equal it).')
+    schedule: Literal["GPipe", "1F1B", "Interleaved1F1B"] = Field(
+        "1F1B", description="torch.distributed.pipelining's schedule: GPipe (all forwards, then all backwards), "
+                            "1F1B (one forward, one backward in the steady state), Interleaved1F1B (1F1B over "
+                            "several chunks per stage: a PipelineModule built with virtual_stages >= 2).")
+    partition: str = Field("best", description="Accepted for compatibility: the PipelineModule's partition_method "
+                                               "decides.")
+    seed_layers: bool = Field(False, description="Accepted for compatibility: the PipelineModule's seed_layers "
+                                                 "decides.")
+    activation_checkpoint_interval: _NonNegative = Field(
+        0, description="Accepted for compatibility: the PipelineModule's activation_checkpoint_interval decides.")
+    pipe_partitioned: bool = Field(True, description="Accepted for compatibility (no effect).")
+    grad_partitioned: bool = Field(True, description="Accepted for compatibility (no effect).")
+
+
 class OptimizerConfig(_Section):
     """The ``optimizer`` block: ``{"type": ..., "params": {...}}``."""
 
@@ -402,6 +421,8 @@ class Config(_Section):
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig, description="ZeRO settings.")
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig,
                                                   description="Tensor parallelism (docs/parallel.md).")
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig,
+                                     description="Pipeline parallelism (docs/pipeline.md).")
     bf16: BF16Config = Field(default_factory=BF16Config, description="bfloat16 mixed precision.")
     fp16: FP16Config = Field(default_factory=FP16Config, description="float16 mixed precision with loss scaling.")
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = Field(

@@ -59,18 +59,19 @@ def user_param_groups(module: nn.Module, model_parameters, optimizer) -> list[di
 
 def build_flat_groups(module: nn.Module, groups: list[dict], unit_of: dict[int, int], bucket_numel: int,
                       partitions: int, rank: int, device: torch.device,
-                      tp_of: Optional[dict] = None) -> list[FlatGroup]:
+                      tp_of: Optional[dict] = None, separate: Optional[dict[int, str]] = None) -> list[FlatGroup]:
     """Cut parameters into flat groups of at most ``reduce_bucket_size`` elements.
 
     Parameters are taken in reverse registration order (roughly the order backward
     produces their gradients), one open bucket per (param group, dtype, trained or not,
-    stage-3 unit, split over the tensor-parallel ranks or not); sizes count this rank's
-    local tensors;
+    stage-3 unit, split over the tensor-parallel ranks or not), and a group of its own for each
+    parameter in ``separate`` (id -> label: a weight tied across pipeline stages, laid out the
+    same on every stage that holds it); sizes count this rank's local tensors;
     groups are numbered by the position of their last parameter, so that group order
     is the order in which they are expected to become ready.
     """
     group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
-    tp_of = tp_of or {}
+    tp_of, separate = tp_of or {}, separate or {}
     named = list(module.named_parameters())
     left_out = [n for n, p in named if p.requires_grad and id(p) not in group_of]
     if left_out:
@@ -84,7 +85,7 @@ def build_flat_groups(module: nn.Module, groups: list[dict], unit_of: dict[int, 
     order = [(n, p) for n, p in reversed(named) if id(p) in group_of or not p.requires_grad]
     for pos, (name, p) in enumerate(order):
         key = (group_of.get(id(p), -1), p.dtype, p.requires_grad and id(p) in group_of,
-               unit_of.get(id(p), 0), id(p) in tp_of)
+               unit_of.get(id(p), 0), id(p) in tp_of, separate.get(id(p)))
         numel = local_tensor(p).numel()
         bucket = open_buckets.setdefault(key, [])
         if bucket and open_sizes[key] + numel > cap:

@@ -54,6 +54,7 @@ class CommCounter:
     ``Comm`` adding under its ``label``."""
 
     def __init__(self) -> None:
+        self.kinds: tuple[str, ...] = COLLECTIVE_KINDS  # a pipeline engine adds "p2p"
         self.current: dict[tuple[str, str], int] = defaultdict(int)
         self.current_calls: dict[str, int] = defaultdict(int)
         self.last_by_group: dict[str, dict[str, int]] = {}
@@ -67,7 +68,7 @@ class CommCounter:
         """Make the counts so far the last step's, and start counting afresh."""
         by_group: dict[str, dict[str, int]] = {}
         for (group, kind), n in self.current.items():
-            by_group.setdefault(group, {k: 0 for k in COLLECTIVE_KINDS})[kind] += n
+            by_group.setdefault(group, {k: 0 for k in self.kinds})[kind] += n
         self.last_by_group = by_group
         self.last_calls = dict(self.current_calls)
         self.current = defaultdict(int)
@@ -76,7 +77,7 @@ class CommCounter:
     @property
     def last_step(self) -> dict[str, int]:
         """Bytes of the last step per collective kind, over all groups."""
-        return {k: sum(g.get(k, 0) for g in self.last_by_group.values()) for k in COLLECTIVE_KINDS}
+        return {k: sum(g.get(k, 0) for g in self.last_by_group.values()) for k in self.kinds}
 
 
 class Handle:

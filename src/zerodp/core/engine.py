@@ -151,7 +151,8 @@ class ZeroEngine(EngineAPI, nn.Module):
                  process_group: Optional[dist.ProcessGroup] = None,
                  unit_classes: Iterable[type] = (),
                  param_init_fn: Optional[Callable[[nn.Module], None]] = None,
-                 grid: Optional[Grid] = None) -> None:
+                 grid: Optional[Grid] = None, separate_params: Iterable[nn.Parameter] = (),
+                 counted_elsewhere: Iterable[nn.Parameter] = ()) -> None:
         super().__init__()
         self.config = config
         # the process grid (parallel/grid.py): ZeRO shards over its shard axis (the data-parallel
@@ -161,6 +162,7 @@ class ZeroEngine(EngineAPI, nn.Module):
         self.comm = self.grid.shard.comm(counter, "data")
         self.replica_comm = self.grid.replica.comm(counter)
         self.grid_comm = self.grid.everyone.comm(counter, "grid")
+        self.data_comm = self.grid.data.comm(counter)  # this pipeline stage's data-parallel ranks
         self.dp_world_size, self.dp_rank = self.grid.data.size, self.grid.data.rank
         # a model split over the grid's tensor axis: the batch check and the activations' bytes
         self.tensor_parallel: Optional[TensorParallel] = (TensorParallel(self.grid, model, counter)
@@ -209,7 +211,11 @@ class ZeroEngine(EngineAPI, nn.Module):
         self.flat_groups = build_flat_groups(
             self.base_module, groups, self._unit_of, group_cap(self.zero_config, self.comm.world_size),
             partitions=self.comm.world_size if sharding else 1, rank=self.comm.rank if sharding else 0,
-            device=self.device, tp_of=model_slices(self.base_module, self.grid.tp_size, self.grid.tensor.rank))
+            device=self.device, tp_of=model_slices(self.base_module, self.grid.tp_size, self.grid.tensor.rank),
+            separate={id(p): f"separate{i}" for i, p in enumerate(separate_params)})
+        elsewhere = {id(p) for p in counted_elsewhere}
+        for g in self.flat_groups:  # held here too, but its norm and checkpoint are another rank's
+            g.counted_here = not any(id(p) in elsewhere for p in g.params)
         adopt_replaced_params(self.base_module, self.flat_groups)
         self.trainable = [g for g in self.flat_groups if g.trainable]
         broadcast_initial_state(self.grid.data.comm(), self.base_module, self.flat_groups)
@@ -379,6 +385,36 @@ class ZeroEngine(EngineAPI, nn.Module):
         unit.release()
         self.prefetcher.after_backward(unit)
 
+    @contextlib.contextmanager
+    def parameters_held(self):
+        """Stage 3: every unit gathered for the duration and released after (a pipeline step keeps
+        its stage's parameters gathered through all its micro-batches, sharded at rest); the unit
+        hooks' gathering, prefetching and checks stand by meanwhile. Nothing below stage 3."""
+        if not self.units:
+            yield
+            return
+        for unit in self.units:
+            unit.gather()
+            unit.held = True
+        self.prefetcher.suspended = True
+        try:
+            yield
+        finally:
+            self.prefetcher.suspended = False
+            for unit in self.units:
+                unit.held = False
+                unit.release()
+                unit.pending_backward = 0
+
+    def reduce_accumulated(self) -> None:
+        """Reduce, in one reduction, the gradients that backward passes accumulated locally
+        (inside ``no_sync()``, or between a plain loop's updates), as the next reducing backward
+        would; a pipeline step does this once after its last micro-batch."""
+        self._plain.forget_local()
+        self.reducer.begin(True)
+        self.reducer.finish()
+        self._reduced_for_boundary = True
+
     @property
     def in_no_sync(self) -> bool:
         """Whether backward passes run inside ``no_sync()`` now (they do not communicate)."""
@@ -532,12 +568,15 @@ class ZeroEngine(EngineAPI, nn.Module):
         local = torch.zeros((), dtype=torch.float64, device=self.device)
         if holder:
             for g, grad in zip(self.trainable, grads):
-                if g.tp_split or grid.tensor.rank == 0:
+                if (g.tp_split or grid.tensor.rank == 0) and g.counted_here:
                     local += squared_l2(grad)
         flags = [float(u) for used in self.reducer.usage() for u in used]
         vec = torch.cat([local.reshape(1), torch.tensor(flags, dtype=torch.float64, device=self.device)])
-        # every rank of the grid has the same parameters (its own slices of them): one sum over all
-        (self.comm if grid.only_data else self.grid_comm).all_reduce_sum(vec, kind="control")
+        if grid.pipe.size == 1:  # every rank of the grid has the same parameters (its own slices): one sum
+            (self.comm if grid.only_data else self.grid_comm).all_reduce_sum(vec, kind="control")
+        else:  # pipeline stages hold other parameters: their usage stays in the stage, the norm is everyone's
+            self.data_comm.all_reduce_sum(vec[1:], kind="control")
+            self.grid_comm.all_reduce_sum(vec[:1], kind="control")
         norm = math.sqrt(vec[0].item())
         got = (vec[1:] > 0).tolist()
         used, k = [], 0

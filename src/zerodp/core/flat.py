@@ -138,6 +138,7 @@ class FlatGroup:
         self.dtype = self.params[0].dtype
         tp_of = tp_of or {}
         self.tp_split = id(self.params[0]) in tp_of
+        self.counted_here = True  # in this rank's share of the gradient norm and its checkpoint file
         if any((id(p) in tp_of) != self.tp_split for p in self.params):
             raise ValueError(f"flat group {index} mixes tensor-parallel split and replicated parameters")
         self.trainable = trainable

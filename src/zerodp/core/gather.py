@@ -41,6 +41,7 @@ class Unit:
         self.pending_backward = 0  # forward calls whose backward has not gone through yet
         self.in_backward = False   # gathered for backward, until released after it
         self.pins = 0              # forwards of modules using this unit's parameters externally
+        self.held = False          # gathered for a whole step (a pipeline's micro-batches): not released
 
     @property
     def is_root(self) -> bool:
@@ -59,6 +60,8 @@ class Unit:
             g.gather(self.comm, async_op=async_op)
 
     def release(self) -> None:
+        if self.held:
+            return
         for g in self.groups:
             g.release()
         self.in_backward = False
@@ -103,6 +106,7 @@ class Prefetcher:
         self.rerecords = 0
         self.peak_gathered_bytes = 0
         self.gather_wait_s = 0.0  # time spent waiting for units to arrive (exposed gathers)
+        self.suspended = False  # every unit is held gathered (``ZeroEngine.parameters_held``): nothing to do
 
     @property
     def recorded(self) -> bool:
@@ -150,6 +154,8 @@ class Prefetcher:
         self.gather_wait_s += time.perf_counter() - t0
 
     def before_forward(self, unit: Unit) -> None:
+        if self.suspended:
+            return
         self._check_same_unit_everywhere(unit.index)
         self._gather_now(unit)
         if self.order is None:
@@ -165,6 +171,8 @@ class Prefetcher:
         self._note_peak()
 
     def before_backward(self, unit: Unit) -> None:
+        if self.suspended:
+            return
         self._gather_now(unit)
         unit.in_backward = True
         if unit.index != self._last_backward and self.order is not None and self._valid:
@@ -182,6 +190,8 @@ class Prefetcher:
 
     def after_backward(self, unit: Unit) -> None:
         """Backward has gone through ``unit`` (and its gradients' reduction was launched)."""
+        if self.suspended:
+            return
         if self._deferred == unit.index:
             self._deferred = None
             if self._valid:

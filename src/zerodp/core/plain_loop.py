@@ -109,6 +109,10 @@ class PlainLoop:
         finally:
             self.active = False
 
+    def forget_local(self) -> None:
+        """The engine reduced what backward passes accumulated (``reduce_accumulated``)."""
+        self.local_grads = False
+
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the fp16 loss scale, in fp32 (unchanged without fp16)."""
         engine = self._engine()

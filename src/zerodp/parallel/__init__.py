@@ -51,9 +51,14 @@ def _already_split(model: nn.Module) -> bool:
 
 
 def grid_for(model: nn.Module, config, *, mpu: Any = None, mesh_param: Any = None,
-             process_group: Any = None) -> Grid:
-    """The process grid of a run, and ``model`` split over its tensor axis where zerodp splits it."""
+             process_group: Any = None, pp: int = 1) -> Grid:
+    """The process grid of a run (``pp`` pipeline stages: a ``PipelineModule``'s), and ``model``
+    split over its tensor axis where zerodp splits it."""
     tpc = config.tensor_parallel
+    stages = config.pipeline.stages
+    if stages != "auto" and stages != pp:
+        raise GridError(f"pipeline.stages: the config says {stages}, but the model has {pp} pipeline stages"
+                        + ("" if pp > 1 else " (a model that is not a zerodp.pipe.PipelineModule has one)"))
     shard = hybrid_size(config)
     given = [n for n, v in (("mpu", mpu), ("mesh_param", mesh_param), ("process_group", process_group))
              if v is not None]
@@ -67,14 +72,13 @@ def grid_for(model: nn.Module, config, *, mpu: Any = None, mesh_param: Any = Non
     elif earlier is not None:
         grid = earlier if shard is None else build_grid(earlier.tp_size, shard_size=shard, source="config")
     else:
-        grid = build_grid(tp_size=tpc.size, shard_size=shard, data_group=process_group,
-                          source="config" if tpc.size > 1 else "world")
+        grid = build_grid(tp_size=tpc.size, pp_size=pp, shard_size=shard, data_group=process_group,
+                          source="config" if tpc.size > 1 or pp > 1 else "world")
     if tpc.size > 1 and grid.tp_size != tpc.size:
         raise GridError(f"tensor_parallel.autotp_size: the config says {tpc.size}, but the "
                         f"{grid.source} gives {grid.tp_size} tensor-parallel ranks")
-    if grid.pipe.size > 1:
-        raise GridError("pipeline parallelism is not implemented yet: the grid has "
-                        f"{grid.pipe.size} pipeline stages")
+    if grid.pipe.size != pp:
+        raise GridError(f"the grid has {grid.pipe.size} pipeline stages, the model {pp}")
     if grid.tp_size > 1 and grid.source != "mpu" and not _already_split(model):
         tensor_parallelize(model, grid, tpc.partition_config)
     return grid

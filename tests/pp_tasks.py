@@ -1,0 +1,140 @@
+"""Pipeline parallelism under ZeRO against one process.
+
+The model is a ``PipelineModule`` of small layers (an embedding tied to the output layer by a
+``TiedLayerSpec``, residual MLP blocks, a norm), built with ``seed_layers`` so every layer starts
+from the same values however the layers are split. The reference builds the same module as one
+stage in one process and trains it on the whole global batch: every data-parallel rank's
+micro-batches, the mean loss, torch's optimizer, the same global-norm clipping.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import zerodp
+from zerodp.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+
+VOCAB, DIM, SEQ, MICRO = 32, 16, 6, 2
+SGD = {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}
+ADAMW = {"lr": 0.01, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.1}
+OPTIMIZERS = {"SGD": (torch.optim.SGD, SGD), "AdamW": (torch.optim.AdamW, ADAMW)}
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, 2 * dim)
+        self.down = nn.Linear(2 * dim, dim)
+
+    def forward(self, x):
+        return x + self.down(torch.tanh(self.up(self.norm(x))))
+
+
+def embed_out(embedding: nn.Embedding, x):
+    """The tied embedding used as the output layer."""
+    return F.linear(x, embedding.weight)
+
+
+def layers(blocks: int = 4, tied: bool = True) -> list:
+    out = [TiedLayerSpec("embed", nn.Embedding, VOCAB, DIM) if tied else LayerSpec(nn.Embedding, VOCAB, DIM)]
+    out += [LayerSpec(Block) for _ in range(blocks)]
+    out.append(LayerSpec(nn.LayerNorm, DIM))
+    out.append(TiedLayerSpec("embed", nn.Embedding, VOCAB, DIM, forward_fn=embed_out) if tied
+               else LayerSpec(nn.Linear, DIM, VOCAB))
+    return out
+
+
+def loss_fn(logits, labels):
+    return F.cross_entropy(logits.reshape(-1, VOCAB).float(), labels.reshape(-1))
+
+
+def build(num_stages: int, blocks: int = 4, tied: bool = True, virtual: int = 1,
+          checkpoint_every: int = 0) -> PipelineModule:
+    return PipelineModule(layers(blocks, tied), num_stages=num_stages, loss_fn=loss_fn, seed_layers=True,
+                          base_seed=7, partition_method="uniform", virtual_stages=virtual,
+                          activation_checkpoint_interval=checkpoint_every)
+
+
+def micro_batch(step: int, dp_rank: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + 10 * dp_rank + micro)
+    x = torch.randint(0, VOCAB, (MICRO, SEQ), generator=g)
+    return x, torch.roll(x, -1, dims=1)
+
+
+def config(stage: int, gas: int, schedule: str, clip: float = 0.5, optimizer: str = "SGD",
+           dtype: str = "fp32", tp: int = 0) -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
+           "gradient_clipping": clip, "steps_per_print": 10**6,
+           "optimizer": {"type": optimizer, "params": dict(OPTIMIZERS[optimizer][1])},
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": 600,
+                                 "stage3_param_persistence_threshold": 50},
+           "pipeline": {"schedule": schedule}}
+    if dtype != "fp32":
+        cfg[dtype] = {"enabled": True}
+    if tp:
+        cfg["tensor_parallel"] = {"autotp_size": tp, "partition_config": {"layer_specs": [
+            {"patterns": [r"\.up\.weight$"], "partition_type": "column"},
+            {"patterns": [r"\.down\.weight$"], "partition_type": "row"}]}}
+    return cfg
+
+
+def reference(dp: int, steps: int, gas: int, clip: float = 0.5, optimizer: str = "SGD", blocks: int = 4,
+              tied: bool = True) -> dict:
+    model = build(1, blocks, tied)
+    cls, hyper = OPTIMIZERS[optimizer]
+    opt = cls(model.parameters(), **{k: tuple(v) if isinstance(v, list) else v for k, v in hyper.items()})
+    norms, losses = [], []
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        parts = [loss_fn(model(x), y) for r in range(dp) for x, y in (micro_batch(step, r, m) for m in range(gas))]
+        loss = sum(parts) / len(parts)
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else math.inf).item())
+        opt.step()
+        losses.append(loss.item())
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "norms": norms,
+            "losses": losses}
+
+
+def whole_params(engine) -> dict[str, torch.Tensor]:
+    """This stage's parameters, gathered (stage 3) and whole (tensor slices put together), by name."""
+    from zerodp.core.flat import local_tensor
+    out = {}
+    slices = {s.name: s.tp for g in engine.flat_groups for s in g.slots}
+    with zerodp.GatheredParameters(list(engine.module.parameters())):
+        for name, p in engine.module.named_parameters():
+            local = local_tensor(p).detach().clone().float()
+            tp = slices.get(name)
+            if tp is not None:
+                parts = [torch.empty_like(local) for _ in range(tp.size)]
+                dist.all_gather(parts, local.contiguous(), group=engine.grid.tensor.group)
+                full = torch.empty(tp.shape)
+                for r, part in enumerate(parts):
+                    tp.place(full, part, r)
+                local = full
+            out[name] = local
+    return out
+
+
+def train(group, pp: int, stage: int, steps: int, gas: int, schedule: str = "1F1B", clip: float = 0.5,
+          optimizer: str = "SGD", dtype: str = "fp32", virtual: int = 1, tp: int = 0, tied: bool = True,
+          checkpoint_every: int = 0) -> dict:
+    """Worker task on every rank of the world: ``steps`` calls of ``train_batch``."""
+    model = build(pp, tied=tied, virtual=virtual, checkpoint_every=checkpoint_every)
+    engine, _, _, _ = zerodp.initialize(model=model, config=config(stage, gas, schedule, clip, optimizer, dtype, tp))
+    losses, norms = [], []
+    for step in range(steps):
+        it = iter([micro_batch(step, engine.dp_rank, m) for m in range(gas)])
+        losses.append(engine.train_batch(it).item())
+        norms.append(engine.get_global_grad_norm())
+    out = {"params": whole_params(engine), "losses": losses, "norms": norms, "stage": engine.stage_id,
+           "first": engine.is_first_stage(), "last": engine.is_last_stage(),
+           "comm": engine.comm_stats(by_group=True), "bubble": engine.bubble_fraction,
+           "skipped": engine.skipped_steps, "global_steps": engine.global_steps}
+    engine.destroy()
+    return out
