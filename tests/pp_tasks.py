@@ -138,3 +138,53 @@ def train(group, pp: int, stage: int, steps: int, gas: int, schedule: str = "1F1
            "skipped": engine.skipped_steps, "global_steps": engine.global_steps}
     engine.destroy()
     return out
+
+
+def fp16_overflow_on_one_stage(group) -> dict:
+    """fp16 on PP2 x DP2: in step 0 an inf appears in one gradient of the last stage only (a hook);
+    every stage must skip that step together, then step 1 trains."""
+    model = build(2)
+    cfg = config(1, 2, "1F1B")
+    cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}
+    engine, _, _, _ = zerodp.initialize(model=model, config=cfg)
+    poisoned = []
+    if engine.is_last_stage() and engine.dp_rank == 0:
+        p = next(p for n, p in engine.module.named_parameters() if n.endswith("down.weight"))
+        poisoned.append(p.register_hook(lambda g: g * float("inf") if engine.global_steps == 0 else g))
+    before = {n: v.clone() for n, v in whole_params(engine).items()}
+    scale0 = engine.loss_scale
+    engine.train_batch(iter([micro_batch(0, engine.dp_rank, m) for m in range(2)]))
+    after0 = whole_params(engine)
+    out = {"unchanged": all(bool((after0[n] == before[n]).all()) for n in before),
+           "skipped": engine.skipped_steps, "scale_halved": engine.loss_scale == scale0 / 2,
+           "overflow": bool(engine.optimizer.overflow)}
+    for h in poisoned:
+        h.remove()
+    engine.train_batch(iter([micro_batch(1, engine.dp_rank, m) for m in range(2)]))
+    out["changed_after"] = any(not bool((v == after0[n]).all()) for n, v in whole_params(engine).items())
+    out["global_steps"] = engine.global_steps
+    engine.destroy()
+    return out
+
+
+def inplace_first_layer(group) -> dict:
+    """A stage whose first layer works in place (``ReLU(inplace=True)``) on the activations it
+    receives: trained on PP2 x DP2, against the same module in one process."""
+    def make(stages):
+        torch.manual_seed(3)
+        return PipelineModule([nn.Linear(4, 8), nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 2)],
+                              num_stages=stages, loss_fn=nn.MSELoss(), partition_method="uniform")
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10**6,
+           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    engine, _, _, _ = zerodp.initialize(model=make(2), config=cfg)
+    g = torch.Generator().manual_seed(5)
+    data = [(torch.randn(2, 4, generator=g), torch.randn(2, 2, generator=g)) for _ in range(4)]
+    engine.train_batch(iter(data[2 * engine.dp_rank:2 * engine.dp_rank + 2]))
+    mine = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    engine.destroy()
+    ref = make(1)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    (sum(nn.functional.mse_loss(ref(x), y) for x, y in data) / 4).backward()
+    opt.step()
+    want = dict(ref.named_parameters())
+    return {"err": max((v - want[n]).abs().max().item() for n, v in mine.items())}

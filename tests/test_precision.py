@@ -240,7 +240,7 @@ def test_overflow_at_minimum_scale_drops_the_step_and_training_goes_on(pool, sta
 def test_global_norm_is_accurate_for_large_flat_groups():
     """The engine's sum of squares stays accurate on a 10M-element buffer, where a single fp32
     vector_norm drifts (its error grows with the length)."""
-    from zerodp.core.engine import squared_l2
+    from zerodp.core.norm import squared_l2
     torch.manual_seed(0)
     x = torch.randn(10_000_003)
     exact = x.double().pow(2).sum().item()

@@ -34,6 +34,7 @@ from .core.data import DataLoader
 from .core.engine import ZeroEngine
 from .core.param_api import GatheredParameters, register_external_parameter
 from .parallel import tp_model_init
+from .parallel.pipeline import PipelineEngine
 from .pipe import PipelineModule
 from .runtime.zero import parameter_offload
 from .tools.estimate import estimate
@@ -41,7 +42,7 @@ from .tools.monitor import monitor_from_config
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "CheckpointError", "GatheredParameters",
            "register_external_parameter", "ZeroEngine", "DeepSpeedEngine", "Config", "ConfigError",
-           "load_config", "PRESETS", "resolve_batch_sizes", "estimate", "tp_model_init"]
+           "load_config", "PRESETS", "resolve_batch_sizes", "estimate", "tp_model_init", "PipelineEngine"]
 
 #: DeepSpeed's engine class name (for ``isinstance`` checks in ported scripts).
 DeepSpeedEngine = ZeroEngine
@@ -145,9 +146,7 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
                 f"DataLoader passed as training_data yields batches of {training_data.batch_size}; make "
                 "them agree, or leave train_batch_size and train_micro_batch_size_per_gpu out of the config")
     teardown.install()
-    engine_class = ZeroEngine
-    if pipelined:
-        from .parallel.pipeline import PipelineEngine as engine_class
+    engine_class = PipelineEngine if pipelined else ZeroEngine
     engine = engine_class(model, cfg, model_parameters=model_parameters, optimizer=optimizer,
                           lr_scheduler=lr_scheduler, unit_classes=unit_classes,
                           param_init_fn=param_init_fn, grid=grid)

@@ -72,35 +72,13 @@ from .gather import (
     register_params,
 )
 from .init_shards import init_shard
+from .norm import global_norm_and_usage
 from .plain_loop import PlainLoop
 from .precision import LossScaler, PrecisionPolicy
 from .reduce import GradReducer
 from .stages import StagePolicy, policy_for
 
 logger = logging.getLogger("zerodp")
-
-#: Elements per row when summing squares (see ``squared_l2``).
-NORM_ROW = 1 << 12
-
-
-def squared_l2(t: torch.Tensor) -> torch.Tensor:
-    """The sum of squares of a 1-D tensor as a float64 scalar, accurate at any length.
-
-    One fp32 ``vector_norm`` over millions of elements loses about 1e-4 relative on CPU
-    (its accumulation error grows with the length; 4e-4 at 10M elements measured here), so
-    the tensor is cut into rows of ``NORM_ROW`` elements whose fp32 norms are combined in
-    float64 (fp32: error ~1e-8 at 10M elements; bf16 tensors, upcast inside the kernel, ~1e-6).
-    """
-    n = t.numel()
-    whole = n // NORM_ROW * NORM_ROW
-    total = torch.zeros((), dtype=torch.float64, device=t.device)
-    if whole:
-        rows = torch.linalg.vector_norm(t[:whole].view(-1, NORM_ROW), dim=1, dtype=torch.float32)
-        total += rows.double().pow(2).sum()
-    if whole < n:
-        total += torch.linalg.vector_norm(t[whole:], dtype=torch.float32).double() ** 2
-    return total
-
 
 def _grad_hook(engine: "ZeroEngine", t: int, i: int) -> Callable[[nn.Parameter], None]:
     """The post-accumulate-grad hook of parameter ``i`` of trainable group ``t``. It holds
@@ -554,36 +532,10 @@ class ZeroEngine(EngineAPI, nn.Module):
         return grads
 
     def _global_norm_and_usage(self, grads: list[torch.Tensor]) -> tuple[float, list[list[bool]]]:
-        """One small all-reduce: the squared L2 norm of all gradient shards and, per
-        parameter, whether any rank produced a gradient for it in this step. The norm is
-        inf or NaN on every rank when any rank's gradients hold inf or NaN.
-
-        Each element counts once: a shard held by several ranks (stage 0's whole gradients, the
-        replicas of hybrid sharding) only on the first of them, and a parameter replicated over
-        the tensor-parallel ranks only on tensor rank 0, while every rank's slice of a split one
-        counts (the rule Megatron and DeepSpeed use). Beyond one data-parallel group the sum runs
-        over the whole grid."""
-        grid = self.grid
-        holder = (self.policy.shard_optimizer or self.comm.rank == 0) and grid.replica.rank == 0
-        local = torch.zeros((), dtype=torch.float64, device=self.device)
-        if holder:
-            for g, grad in zip(self.trainable, grads):
-                if (g.tp_split or grid.tensor.rank == 0) and g.counted_here:
-                    local += squared_l2(grad)
-        flags = [float(u) for used in self.reducer.usage() for u in used]
-        vec = torch.cat([local.reshape(1), torch.tensor(flags, dtype=torch.float64, device=self.device)])
-        if grid.pipe.size == 1:  # every rank of the grid has the same parameters (its own slices): one sum
-            (self.comm if grid.only_data else self.grid_comm).all_reduce_sum(vec, kind="control")
-        else:  # pipeline stages hold other parameters: their usage stays in the stage, the norm is everyone's
-            self.data_comm.all_reduce_sum(vec[1:], kind="control")
-            self.grid_comm.all_reduce_sum(vec[:1], kind="control")
-        norm = math.sqrt(vec[0].item())
-        got = (vec[1:] > 0).tolist()
-        used, k = [], 0
-        for g in self.trainable:
-            used.append(got[k:k + len(g.params)])
-            k += len(g.params)
-        return norm, used
+        """The global gradient norm and which parameters got a gradient on any rank (``norm.py``)."""
+        return global_norm_and_usage(grads, self.trainable, self.reducer.usage(), self.grid,
+                                     whole_on_every_rank=not self.policy.shard_optimizer, comm=self.comm,
+                                     data_comm=self.data_comm, grid_comm=self.grid_comm, device=self.device)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear all gradients (``step()`` does this itself after every update)."""

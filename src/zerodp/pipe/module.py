@@ -115,6 +115,11 @@ class _Chunk(nn.Module):
         self.first, self.checkpoint_every = first, checkpoint_every
 
     def forward(self, *args: Any) -> Any:
+        if not self.first and getattr(self.funcs[0], "inplace", False):
+            # the activations received from the previous stage are leaves that need a gradient:
+            # an in-place first layer (ReLU(inplace=True)) works on a copy
+            args = tuple(a.clone() if isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad else a
+                         for a in args)
         x = args[0] if len(args) == 1 else args
         if self.checkpoint_every <= 0 or not torch.is_grad_enabled():
             for f in self.funcs:

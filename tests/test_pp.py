@@ -1,0 +1,91 @@
+"""Pipeline parallelism with ZeRO at every stage: parity with one process.
+
+PP2 x DP2 on the pool's 4 ranks: a ``PipelineModule`` whose embedding is tied to the output
+layer across the first and last stage, ``gradient_accumulation_steps`` micro-batches per
+``train_batch``, clipping that binds; the reference trains the same module as one stage on the
+whole global batch (``pp_tasks.reference``). SGD with momentum carries gradient errors into the
+parameters linearly: held to 1e-6.
+"""
+from __future__ import annotations
+
+import pytest
+from pp_tasks import reference, train
+
+STEPS, GAS = 3, 4
+
+
+def assert_matches(results, ref, atol=1e-6, rtol=1e-6):
+    for rank, res in enumerate(results):
+        for name, value in res["params"].items():  # each stage holds its own layers, by the model's names
+            err = (value - ref["params"][name]).abs().max().item()
+            assert err <= atol, f"rank {rank} (stage {res['stage']}) {name}: max |diff| {err:.3g}"
+        assert res["norms"] == pytest.approx(ref["norms"], rel=rtol), f"rank {rank}"
+        assert res["losses"] == pytest.approx(ref["losses"], rel=rtol), f"rank {rank}"
+    held = {n for r in results for n in r["params"]}
+    assert held == set(ref["params"])  # the stages hold the whole model between them
+    assert min(ref["norms"]) > 0.5  # clipping binds
+
+
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B", "Interleaved1F1B"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_pp2_dp2_every_zero_stage_and_schedule(pool, stage, schedule):
+    virtual = 2 if schedule == "Interleaved1F1B" else 1
+    results = pool.run(train, 4, 2, stage, STEPS, GAS, schedule=schedule, virtual=virtual)
+    assert [(r["stage"], r["first"], r["last"]) for r in results] == \
+        [(0, True, False), (0, True, False), (1, False, True), (1, False, True)]
+    assert_matches(results, reference(2, STEPS, GAS))
+    pipe = results[0]["comm"]["pipe"]
+    assert pipe["p2p"] > 0 and pipe["all_reduce"] > 0  # activations sent; the tied embedding's gradient summed
+    assert results[0]["bubble"] == pytest.approx(1 / (virtual * GAS + 1))
+
+
+def test_pp4_dp1_adamw(pool):
+    """Four stages of one rank each (the tied embedding on the first and the last), AdamW."""
+    results = pool.run(train, 4, 4, 1, STEPS, GAS, optimizer="AdamW")
+    assert [r["stage"] for r in results] == [0, 1, 2, 3]
+    assert_matches(results, reference(1, STEPS, GAS, optimizer="AdamW"), atol=3e-5, rtol=1e-5)
+
+
+def test_fp16_overflow_on_one_stage_skips_the_step_on_every_stage(pool):
+    from pp_tasks import fp16_overflow_on_one_stage
+    results = pool.run(fp16_overflow_on_one_stage, 4)
+    for r in results:
+        assert r["overflow"] and r["unchanged"] and r["skipped"] == 1 and r["scale_halved"], r
+        assert r["changed_after"] and r["global_steps"] == 2, r
+
+
+def test_pp2_dp2_bf16_follows_fp32(pool):
+    """bf16 parameters with fp32 masters: the fp32 reference within bf16 precision."""
+    results = pool.run(train, 4, 2, 2, STEPS, GAS, dtype="bf16")
+    assert_matches(results, reference(2, STEPS, GAS), atol=2e-2, rtol=3e-3)
+
+
+def test_world_8_pp2_tp2_dp2(tmp_path):
+    """Eight processes, the full 3-D grid (``grid3d_script.py``) at ZeRO stages 1 and 3: every rank's
+    slices put together match one process."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    here = Path(__file__).parent
+    out = tmp_path / "out.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(here.parent / "src"), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8",
+                           str(here / "grid3d_script.py"), str(out), "1", "3"], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert out.exists(), (proc.stdout + proc.stderr)[-4000:]
+    rows = json.loads(out.read_text())
+    for rank, found in enumerate(rows):
+        for stage, got in found.items():
+            assert got["max_err"] <= 1e-6, (rank, stage, got["max_err"])
+            assert got["norms"] == pytest.approx(got["ref_norms"], rel=1e-6)
+            assert got["losses"] == pytest.approx(got["ref_losses"], rel=1e-6)
+            assert got["tensor_bytes"] > 0
+    assert rows[0]["1"]["names"] != rows[4]["1"]["names"]  # ranks 0-3 stage 0, ranks 4-7 stage 1
+
+
+def test_a_stage_starting_with_an_in_place_layer(pool):
+    from pp_tasks import inplace_first_layer
+    assert all(r["err"] <= 1e-6 for r in pool.run(inplace_first_layer, 4))
