@@ -1,11 +1,12 @@
 """Eight ranks: pipeline 2 x tensor parallel 2 x data parallel 2 (``pp_tasks``' model, its MLP
 blocks split by a ``partition_config``).
 
-    torchrun --nproc-per-node 8 grid3d_script.py OUT.json STAGE...
+    torchrun --nproc-per-node 8 grid3d_script.py OUT.json CKPT_DIR STAGE...
 
 For each ZeRO stage every rank trains ``pp_tasks.train`` on the 3-D grid; rank 0 and rank 4 (the
 first rank of each pipeline stage) write their parameters' largest difference from one process
 (``pp_tasks.reference`` over the 2 data-parallel ranks' batches), the norms and losses of both.
+The last stage's run ends with a checkpoint in CKPT_DIR.
 """
 import json
 import os
@@ -25,8 +26,9 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     found = {}
-    for stage in map(int, sys.argv[2:]):
-        out = pp_tasks.train(None, 2, stage, STEPS, GAS, tp=2)
+    stages = list(map(int, sys.argv[3:]))
+    for stage in stages:
+        out = pp_tasks.train(None, 2, stage, STEPS, GAS, tp=2, save_to=sys.argv[2] if stage == stages[-1] else None)
         ref = pp_tasks.reference(2, STEPS, GAS)
         err = max((out["params"][n] - ref["params"][n]).abs().max().item() for n in out["params"])
         found[str(stage)] = {"max_err": err, "norms": out["norms"], "ref_norms": ref["norms"],

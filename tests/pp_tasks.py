@@ -83,15 +83,17 @@ def config(stage: int, gas: int, schedule: str, clip: float = 0.5, optimizer: st
     return cfg
 
 
-def reference(dp: int, steps: int, gas: int, clip: float = 0.5, optimizer: str = "SGD", blocks: int = 4,
+def reference(dp, steps: int, gas: int, clip: float = 0.5, optimizer: str = "SGD", blocks: int = 4,
               tied: bool = True) -> dict:
     model = build(1, blocks, tied)
+    dp_of = dp if isinstance(dp, list) else [dp] * steps
     cls, hyper = OPTIMIZERS[optimizer]
     opt = cls(model.parameters(), **{k: tuple(v) if isinstance(v, list) else v for k, v in hyper.items()})
     norms, losses = [], []
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
-        parts = [loss_fn(model(x), y) for r in range(dp) for x, y in (micro_batch(step, r, m) for m in range(gas))]
+        parts = [loss_fn(model(x), y) for r in range(dp_of[step])
+                 for x, y in (micro_batch(step, r, m) for m in range(gas))]
         loss = sum(parts) / len(parts)
         loss.backward()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else math.inf).item())
@@ -123,7 +125,7 @@ def whole_params(engine) -> dict[str, torch.Tensor]:
 
 def train(group, pp: int, stage: int, steps: int, gas: int, schedule: str = "1F1B", clip: float = 0.5,
           optimizer: str = "SGD", dtype: str = "fp32", virtual: int = 1, tp: int = 0, tied: bool = True,
-          checkpoint_every: int = 0) -> dict:
+          checkpoint_every: int = 0, save_to: str | None = None) -> dict:
     """Worker task on every rank of the world: ``steps`` calls of ``train_batch``."""
     model = build(pp, tied=tied, virtual=virtual, checkpoint_every=checkpoint_every)
     engine, _, _, _ = zerodp.initialize(model=model, config=config(stage, gas, schedule, clip, optimizer, dtype, tp))
@@ -132,6 +134,8 @@ def train(group, pp: int, stage: int, steps: int, gas: int, schedule: str = "1F1
         it = iter([micro_batch(step, engine.dp_rank, m) for m in range(gas)])
         losses.append(engine.train_batch(it).item())
         norms.append(engine.get_global_grad_norm())
+    if save_to:
+        engine.save_checkpoint(save_to)
     out = {"params": whole_params(engine), "losses": losses, "norms": norms, "stage": engine.stage_id,
            "first": engine.is_first_stage(), "last": engine.is_last_stage(),
            "comm": engine.comm_stats(by_group=True), "bubble": engine.bubble_fraction,
@@ -188,3 +192,27 @@ def inplace_first_layer(group) -> dict:
     opt.step()
     want = dict(ref.named_parameters())
     return {"err": max((v - want[n]).abs().max().item() for n, v in mine.items())}
+
+
+def round_trip(group, path: str, legs: list, gas: int, first_step: int = 0, load_first: bool = False) -> dict:
+    """Train and checkpoint through several grids: each leg ``(pp, tp, stage, steps)`` builds a
+    fresh ``PipelineModule`` (other initial values than the checkpoint's) on that grid, loads the
+    last checkpoint (but the first leg, unless ``load_first``), trains and saves. Returns the last
+    leg's parameters, each step's norm and loss."""
+    norms, losses, step = [], [], first_step
+    for i, (pp, tp, stage, steps) in enumerate(legs):
+        torch.manual_seed(100 + i)
+        model = PipelineModule(layers(), num_stages=pp, loss_fn=loss_fn, seed_layers=True,
+                               base_seed=7 if i == 0 and not load_first else 50 + i, partition_method="uniform")
+        engine, _, _, _ = zerodp.initialize(model=model, config=config(stage, gas, "1F1B", tp=tp))
+        if i or load_first:
+            engine.load_checkpoint(path)
+        for _ in range(steps):
+            losses.append(engine.train_batch(iter([micro_batch(step, engine.dp_rank, m) for m in range(gas)])).item())
+            norms.append(engine.get_global_grad_norm())
+            step += 1
+        engine.save_checkpoint(path)
+        out = {"params": whole_params(engine), "norms": norms, "losses": losses, "stage": engine.stage_id,
+               "global_steps": engine.global_steps}
+        engine.destroy()
+    return out

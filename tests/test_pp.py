@@ -60,9 +60,10 @@ def test_pp2_dp2_bf16_follows_fp32(pool):
     assert_matches(results, reference(2, STEPS, GAS), atol=2e-2, rtol=3e-3)
 
 
-def test_world_8_pp2_tp2_dp2(tmp_path):
+def test_world_8_pp2_tp2_dp2(pool, tmp_path):
     """Eight processes, the full 3-D grid (``grid3d_script.py``) at ZeRO stages 1 and 3: every rank's
-    slices put together match one process."""
+    slices put together match one process. Its checkpoint then loads at PP1 x DP4 (stage 1) and at
+    PP4 x DP1 (stage 2) on the pool's 4 ranks, which go on as one process would."""
     import json
     import os
     import subprocess
@@ -73,7 +74,8 @@ def test_world_8_pp2_tp2_dp2(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(here.parent / "src"), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8",
-                           str(here / "grid3d_script.py"), str(out), "1", "3"], env=env, capture_output=True,
+                           str(here / "grid3d_script.py"), str(out), str(tmp_path / "ckpt"), "1", "3"],
+                          env=env, capture_output=True,
                           text=True, timeout=300)
     assert out.exists(), (proc.stdout + proc.stderr)[-4000:]
     rows = json.loads(out.read_text())
@@ -84,8 +86,35 @@ def test_world_8_pp2_tp2_dp2(tmp_path):
             assert got["losses"] == pytest.approx(got["ref_losses"], rel=1e-6)
             assert got["tensor_bytes"] > 0
     assert rows[0]["1"]["names"] != rows[4]["1"]["names"]  # ranks 0-3 stage 0, ranks 4-7 stage 1
+    from pp_tasks import round_trip
+    results = pool.run(round_trip, 4, str(tmp_path / "ckpt"), [(1, 0, 1, 1), (4, 0, 2, 1)], GAS, first_step=2,
+                       load_first=True)
+    ref = reference([2, 2, 4, 1], 4, GAS)
+    assert all(r["global_steps"] == 4 for r in results)
+    for rank, res in enumerate(results):
+        for name, value in res["params"].items():
+            assert (value - ref["params"][name]).abs().max().item() <= 1e-6, (rank, name)
+        assert res["norms"] == pytest.approx(ref["norms"][2:], rel=1e-6)
 
 
 def test_a_stage_starting_with_an_in_place_layer(pool):
     from pp_tasks import inplace_first_layer
     assert all(r["err"] <= 1e-6 for r in pool.run(inplace_first_layer, 4))
+
+
+def test_checkpoints_move_between_pipelines(pool, tmp_path):
+    """PP2 x DP2 stage 3 -> PP1 x DP4 stage 1 -> PP4 x DP1 stage 2 -> PP2 x TP2 x DP1 stage 1, each leg
+    loading the last one's checkpoint with no conversion, going on as one process would; the
+    checkpoint consolidates into the whole model."""
+    from pp_tasks import round_trip
+
+    from zerodp.checkpoint import get_fp32_state_dict_from_zero_checkpoint
+    legs = [(2, 0, 3, 2), (1, 0, 1, 1), (4, 0, 2, 1), (2, 2, 1, 1)]
+    results = pool.run(round_trip, 4, str(tmp_path), legs, GAS)
+    ref = reference([2, 2, 4, 1, 1], 5, GAS)
+    assert all(r["global_steps"] == 5 for r in results)
+    assert_matches(results, ref)
+    full = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path))
+    assert sorted(full) == sorted(ref["params"])
+    for name, value in ref["params"].items():
+        assert (full[name] - value).abs().max().item() <= 1e-6, name

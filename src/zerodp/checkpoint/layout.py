@@ -128,6 +128,9 @@ class RankPlan:
         world, rank = view.dp_world_size, view.dp_rank
         self.dp_rank, self.dp_world = rank, world
         self.rank, self.world = view.writer_rank, view.writer_count
+        # the first rank of each pipeline stage (data rank 0, tensor rank 0) writes its stage's
+        # unsharded tensors and its part of the index
+        self.stage_first = view.dp_rank == 0 and view.tp_rank == 0
         self.specs: list[TensorSpec] = []
         self._sources: dict[str, Any] = {}  # name -> tensor, or callable yielding parts
         self.extra_tensors: dict[str, torch.Tensor] = {}
@@ -138,6 +141,8 @@ class RankPlan:
             if exclude_frozen and not g.trainable:
                 continue
             if not g.tp_split and view.tp_rank != 0:  # the same on every tensor rank: rank 0 writes it
+                continue
+            if not g.counted_here:  # a weight tied across pipeline stages: its first stage writes it
                 continue
             lo, hi = save_range(g, rank, world)
             if lo >= hi:
@@ -225,13 +230,17 @@ class RankPlan:
 
     # -- index (rank 0) -----------------------------------------------------------------
 
-    def index_skeleton(self) -> dict:
-        """The index without what only the other ranks know (state keys, scalars, file records)."""
+    def stage_skeleton(self) -> dict:
+        """This pipeline stage's part of the index: its parameters (by the model's names), their
+        pieces in the files of the stage's ranks, its aliases and buffers (see ``index_skeleton``)."""
         view, world, exclude_frozen = self.view, self.dp_world, self.exclude_frozen
         tp_size = view.tp_size
+        base = view.pipe_rank * world * tp_size  # the stage's first file
         params: dict[str, dict] = {}
         for g in view.flat_groups:
             if exclude_frozen and not g.trainable:
+                continue
+            if not g.counted_here:
                 continue
             value_dtype = torch.float32 if view.precision.keeps_master(g.dtype) and g.trainable else g.dtype
             for s in g.slots:
@@ -246,7 +255,7 @@ class RankPlan:
                 lo, hi = save_range(g, r, world)
                 for t in range(tp_size) if g.tp_split else [0]:
                     for sp in g.pieces_in(lo, hi):
-                        piece = {"rank": r * tp_size + t, "prefix": f"g{g.index}", "at": sp.shard_lo,
+                        piece = {"rank": base + r * tp_size + t, "prefix": f"g{g.index}", "at": sp.shard_lo,
                                  "start": sp.param_lo, "stop": sp.param_lo + sp.shard_hi - sp.shard_lo,
                                  "group": g.index, "piece": None}
                         if g.tp_split:
@@ -263,22 +272,33 @@ class RankPlan:
         for name, p in self.loose.items():
             params[name] = {"shape": list(p.shape), "dtype": dtype_name(p.dtype), "param_group": None,
                             "state_keys": [], "scalars": None,
-                            "pieces": [{"rank": 0, "prefix": f"extra.{name}", "at": 0, "start": 0,
+                            "pieces": [{"rank": base, "prefix": f"extra.{name}", "at": 0, "start": 0,
                                         "stop": p.numel(), "group": None, "piece": None}]}
-        return {"format": FORMAT, "version": VERSION, "world_size": self.world,
-                "grid": {"data": world, "tensor": tp_size},
-                "zero_stage": view.zero_stage, "compute_dtype": view.compute_dtype,
-                "params": {n: params[n] for n in order},
-                "aliases": model_aliases(view.module),
-                "buffers": {n: {"shape": list(b.shape), "dtype": dtype_name(b.dtype)}
+        return {"params": {n: params[n] for n in order}, "aliases": model_aliases(view.module),
+                "buffers": {n: {"shape": list(b.shape), "dtype": dtype_name(b.dtype), "rank": base}
                             for n, b in self.buffers.items()}}
 
+    def index_skeleton(self, stages: Optional[list[dict]] = None) -> dict:
+        """The index without what only the other ranks know (state keys, scalars, file records),
+        made of every pipeline stage's part (``stages``, in stage order: ``stage_skeleton`` of each
+        stage's first rank; this rank's own part alone without a pipeline)."""
+        view = self.view
+        parts = stages if stages is not None else [self.stage_skeleton()]
+        merged: dict = {"params": {}, "aliases": {}, "buffers": {}}
+        for part in parts:
+            for key in merged:
+                merged[key].update(part[key])
+        return {"format": FORMAT, "version": VERSION, "world_size": self.world,
+                "grid": {"pipe": view.pipe_size, "data": self.dp_world, "tensor": view.tp_size},
+                "zero_stage": view.zero_stage, "compute_dtype": view.compute_dtype, **merged}
+
     def _add_unsharded(self) -> None:
-        """Rank 0 writes the unsharded tensors: loose parameters and persistent buffers."""
+        """The first rank of each pipeline stage (rank 0 without a pipeline) writes the stage's unsharded
+        tensors: loose parameters and persistent buffers."""
         self.loose = {n: p for n, p in loose_parameters(self.view).items()
                       if not (self.exclude_frozen and not p.requires_grad)}
         self.buffers = persistent_buffers(self.view.module)
-        if self.rank == 0:
+        if self.stage_first:
             for name, p in self.loose.items():
                 self.add_whole(f"extra.{name}.value", p.detach())
             for name, b in self.buffers.items():

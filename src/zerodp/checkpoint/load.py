@@ -226,8 +226,9 @@ class ZerodpSource(Source):
         return self.index["params"][name].get("scalar_types") or {}
 
     def read_buffers(self) -> dict[str, torch.Tensor]:
-        f = self.file(rank_file(0))
-        return {name: f.read(f"buffer.{name}") for name in self.buffer_names}
+        buffers = self.index.get("buffers", {})  # each in its pipeline stage's first file (rank 0's)
+        return {name: self.file(rank_file(buffers[name].get("rank", 0))).read(f"buffer.{name}")
+                for name in self.buffer_names}
 
     @property
     def rng_states(self) -> None:  # per rank, read on demand by rank_record()
@@ -290,6 +291,8 @@ def _match_names(view: CheckpointView, src: Source, strict: bool) -> dict[str, s
             continue
         mapping[n] = found
     used = set(mapping.values())
+    if view.pipe_size > 1:  # the other pipeline stages load the rest
+        used = {n for stage in view.pipe_comm.all_gather_objects(sorted(used)) for n in stage}
     unexpected = [n for n in src.params if n not in used]
     if wrong or (strict and (missing or unexpected)):
         parts = []

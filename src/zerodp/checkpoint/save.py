@@ -362,8 +362,6 @@ class Checkpointer:
             plan.json["rng"] = capture_rng(rng_tensors)
             for k, v in rng_tensors.items():
                 plan.add_whole(k, v)
-            if view.writer_rank == 0:
-                index = self._index(plan, tag, client_state)
         except Exception as e:  # noqa: BLE001 - reported to every rank
             err = e
         coord.agree(err, f"saving checkpoint {tag!r}")
@@ -371,9 +369,13 @@ class Checkpointer:
         if len(set(tags)) > 1:
             raise CheckpointError(f"save_checkpoint: the ranks passed different tags (this rank: {tag!r}); "
                                   "pass the same tag on every rank, or none")
+        stages = None  # with pipeline stages, each stage's part of the index, gathered at the first stage
+        if view.pipe_size > 1 and plan.stage_first:
+            stages = view.pipe_comm.all_gather_objects(plan.stage_skeleton())
         err = None
         if view.writer_rank == 0:
             try:
+                index = self._index(plan, tag, client_state, stages)
                 save_dir.mkdir(parents=True, exist_ok=True)
                 for stale in sorted(save_dir.glob(".*.partial")):
                     logger.warning("removing %s, an incomplete save left by an interrupted run", stale)
@@ -401,10 +403,11 @@ class Checkpointer:
         self._thread.start()
         return True
 
-    def _index(self, plan: RankPlan, tag: str, client_state: Optional[dict]) -> dict:
+    def _index(self, plan: RankPlan, tag: str, client_state: Optional[dict],
+               stages: Optional[list[dict]] = None) -> dict:
         view = self.view
         tensors: dict[str, torch.Tensor] = {}
-        index = plan.index_skeleton()
+        index = plan.index_skeleton(stages)
         index["tag"] = tag
         index["engine"] = {"global_steps": view.global_steps, "micro_steps": view.micro_steps,
                            "skipped_steps": view.skipped_steps,

@@ -31,7 +31,7 @@ over ``N`` ranks:
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -220,6 +220,14 @@ class Comm:
             return [tensor]
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]
         dist.all_gather(out, tensor.contiguous(), group=self.group)
+        return out
+
+    def all_gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's picklable ``obj``, in rank order (checkpoint indexes, not counted)."""
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
         return out
 
     def broadcast(self, tensor: torch.Tensor, src_rank: int = 0) -> None:

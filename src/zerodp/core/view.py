@@ -141,14 +141,30 @@ class CheckpointView:
         return self._engine.grid.tensor.comm()
 
     @property
+    def pipe_rank(self) -> int:
+        """This rank's pipeline stage (0 without pipeline parallelism)."""
+        return self._engine.grid.pipe.rank
+
+    @property
+    def pipe_size(self) -> int:
+        """The number of pipeline stages (1 without pipeline parallelism)."""
+        return self._engine.grid.pipe.size
+
+    @property
+    def pipe_comm(self) -> "Comm":
+        """The pipeline group's collectives (the stages' parts of the index meet at rank 0)."""
+        return self._engine.grid.pipe.comm()
+
+    @property
     def writer_rank(self) -> int:
-        """Which of the checkpoint's files this rank writes: data rank x tensor size + tensor rank."""
-        return self.dp_rank * self.tp_size + self.tp_rank
+        """Which of the checkpoint's files this rank writes: (pipeline stage x data size + data rank)
+        x tensor size + tensor rank, the grid's own order."""
+        return (self.pipe_rank * self.dp_world_size + self.dp_rank) * self.tp_size + self.tp_rank
 
     @property
     def writer_count(self) -> int:
-        """How many files a checkpoint of this engine has: data ranks x tensor ranks."""
-        return self.dp_world_size * self.tp_size
+        """How many files a checkpoint of this engine has: pipeline stages x data ranks x tensor ranks."""
+        return self.pipe_size * self.dp_world_size * self.tp_size
 
     # -- counters and batch sizes ----------------------------------------------------------
 

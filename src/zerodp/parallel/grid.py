@@ -140,16 +140,17 @@ teardown.on_exit_release(_GROUPS.clear)
 
 
 def _new_groups(name: str, all_ranks: list[list[int]], me: int) -> Axis:
-    """Make one group per list of ``all_ranks`` (every rank makes all of them, in the same
-    order, as torch requires; lists of one rank need none) and return this rank's axis."""
-    mine = next(r for r in all_ranks if me in r)
-    if len(mine) == 1:
-        return Axis(name, 1, 0, mine)
+    """Make one group per list of ``all_ranks`` (every rank makes all of them, in the same order,
+    as torch requires, member or not: torch numbers groups by how many a rank made; lists of one
+    rank need none) and return this rank's axis (of this rank alone when it is in no list)."""
+    mine = next((r for r in all_ranks if me in r), [me])
     world = dist.group.WORLD
     for ranks in all_ranks:
         key = (world, tuple(ranks))
-        if key not in _GROUPS:
+        if len(ranks) > 1 and key not in _GROUPS:
             _GROUPS[key] = dist.new_group(ranks)
+    if len(mine) == 1:
+        return Axis(name, 1, 0, mine)
     return Axis(name, len(mine), mine.index(me), mine, _GROUPS[(world, tuple(mine))])
 
 

@@ -72,6 +72,8 @@ class PipelineEngine(ZeroEngine):
     def _build_schedule(self, model):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+        if model.num_stages == 1:  # one stage: its micro-batches one after another (no schedule to run)
+            return [], _OneStage(model, self._loss, self._gas)
         total = model.num_stages * model.virtual_stages
         stages = [PipelineStage(chunk, c, total, self.device, group=self.grid.pipe.group)
                   for chunk, c in zip(model.chunks, model.chunk_ids)]
@@ -240,19 +242,47 @@ class PipelineEngine(ZeroEngine):
         super().destroy()
 
 
+class _OneStage:
+    """The schedule of a pipeline of one stage: each micro-batch's forward through every chunk, its
+    loss and (``step``) its backward, in turn. The same calls as torch's schedules."""
+
+    def __init__(self, model, loss_fn, micro_batches: int) -> None:
+        self.model, self.loss_fn, self.n = model, loss_fn, micro_batches
+
+    def _run(self, args, target, losses: Optional[list], backward: bool):
+        outputs = []
+        pieces = [a.chunk(self.n) for a in args]
+        targets = target.chunk(self.n) if target is not None else [None] * self.n
+        for i in range(self.n):
+            out = self.model(*(p[i] for p in pieces))
+            if target is not None:
+                loss = self.loss_fn(out, targets[i])
+                if backward:
+                    loss.backward()
+                if losses is not None:
+                    losses.append(loss.detach())
+            outputs.append(out)
+        return torch.cat(outputs) if isinstance(outputs[0], torch.Tensor) else outputs
+
+    def step(self, *args, target=None, losses: Optional[list] = None):
+        return self._run(args, target, losses, backward=True)
+
+    def eval(self, *args, target=None, losses: Optional[list] = None):
+        return self._run(args, target, losses, backward=False)
+
+
 def _tie_axes(model, tied, grid: Grid) -> list:
     """For every tied weight of this stage, the axis of the stages that hold it (at this rank's
-    data and tensor coordinates), or None when one stage holds it all. Every rank makes every group."""
+    data and tensor coordinates), or None when one stage holds it all. Every rank makes the groups
+    of every tied module of the model, in key order, whether its stage holds one or not."""
     data, tp = grid.dp_size, grid.tp_size
-    out = []
-    for name, _ in tied:
-        owners = model.tie_owners(name.split(".", 1)[0])
-        if len(owners) < 2:
-            out.append(None)
-            continue
-        lists = [[(s * data + d) * tp + t for s in owners] for d in range(data) for t in range(tp)]
-        out.append(_new_groups("tie", lists, grid.rank))
-    return out
+    axes = {}
+    for key in model.tie_keys():
+        owners = model.tie_owners(key)
+        if len(owners) > 1:
+            lists = [[(s * data + d) * tp + t for s in owners] for d in range(data) for t in range(tp)]
+            axes[key] = _new_groups("tie", lists, grid.rank)
+    return [axes.get(name.split(".", 1)[0]) for name, _ in tied]
 
 
 def _repeating(loader: Iterable) -> Iterator:

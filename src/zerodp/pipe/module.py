@@ -272,6 +272,10 @@ class PipelineModule(nn.Module):
                 out.append((f"{key}.{attr}", p))
         return out
 
+    def tie_keys(self) -> list[str]:
+        """Every tied module's key in the whole model (not only this stage's), sorted."""
+        return sorted({s.key for s in self._layer_specs if isinstance(s, TiedLayerSpec)})
+
     def tie_owners(self, key: str) -> list[int]:
         """The stages that hold tied module ``key``, ascending."""
         stages = set()
