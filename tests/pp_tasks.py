@@ -129,6 +129,10 @@ def train(group, pp: int, stage: int, steps: int, gas: int, schedule: str = "1F1
     """Worker task on every rank of the world: ``steps`` calls of ``train_batch``."""
     model = build(pp, tied=tied, virtual=virtual, checkpoint_every=checkpoint_every)
     engine, _, _, _ = zerodp.initialize(model=model, config=config(stage, gas, schedule, clip, optimizer, dtype, tp))
+    calls = [0]
+    for m in model.modules():
+        if isinstance(m, Block):
+            m.register_forward_pre_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
     losses, norms = [], []
     for step in range(steps):
         it = iter([micro_batch(step, engine.dp_rank, m) for m in range(gas)])
@@ -139,7 +143,8 @@ def train(group, pp: int, stage: int, steps: int, gas: int, schedule: str = "1F1
     out = {"params": whole_params(engine), "losses": losses, "norms": norms, "stage": engine.stage_id,
            "first": engine.is_first_stage(), "last": engine.is_last_stage(),
            "comm": engine.comm_stats(by_group=True), "bubble": engine.bubble_fraction,
-           "skipped": engine.skipped_steps, "global_steps": engine.global_steps}
+           "skipped": engine.skipped_steps, "global_steps": engine.global_steps,
+           "blocks": sum(isinstance(m, Block) for m in model.modules()), "block_forwards": calls[0]}
     engine.destroy()
     return out
 
@@ -216,3 +221,16 @@ def round_trip(group, path: str, legs: list, gas: int, first_step: int = 0, load
                "global_steps": engine.global_steps}
         engine.destroy()
     return out
+
+
+def eval_batches(group, pp: int, stage: int) -> dict:
+    """``eval_batch`` on a freshly built pipeline (every stage returns the mean loss); the loss of
+    one process on the same batches for reference."""
+    model = build(pp)
+    engine, _, _, _ = zerodp.initialize(model=model, config=config(stage, 2, "1F1B"))
+    got = engine.eval_batch(iter([micro_batch(9, engine.dp_rank, m) for m in range(2)])).item()
+    engine.destroy()
+    ref = build(1)
+    with torch.no_grad():
+        want = sum(loss_fn(ref(x), y) for x, y in (micro_batch(9, engine.dp_rank, m) for m in range(2))).item() / 2
+    return {"got": got, "want": want}

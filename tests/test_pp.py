@@ -118,3 +118,21 @@ def test_checkpoints_move_between_pipelines(pool, tmp_path):
     assert sorted(full) == sorted(ref["params"])
     for name, value in ref["params"].items():
         assert (full[name] - value).abs().max().item() <= 1e-6, name
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_activation_checkpointing_every_layer(pool, stage):
+    """``activation_checkpoint_interval=1``: every layer recomputed in backward, the same numbers."""
+    results = pool.run(train, 4, 2, stage, STEPS, GAS, checkpoint_every=1)
+    assert_matches(results, reference(2, STEPS, GAS))
+    for r in results:  # each block's forward started again in backward (torch stops a recompute early)
+        # (and torch's first step runs a stage's forward once or twice more, learning its shapes)
+        assert r["blocks"] > 0 and 2 * r["blocks"] * GAS * STEPS <= r["block_forwards"] <= \
+            2 * r["blocks"] * (GAS * STEPS + 1)
+
+
+def test_eval_batch_gives_the_mean_loss_on_every_stage(pool):
+    from pp_tasks import eval_batches
+    results = pool.run(eval_batches, 4, 2, 3)
+    want = sum(r["want"] for r in results[:2]) / 2  # the data-parallel ranks' mean
+    assert all(r["got"] == pytest.approx(want, rel=1e-6) for r in results)
