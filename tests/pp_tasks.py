@@ -234,3 +234,35 @@ def eval_batches(group, pp: int, stage: int) -> dict:
     with torch.no_grad():
         want = sum(loss_fn(ref(x), y) for x, y in (micro_batch(9, engine.dp_rank, m) for m in range(2))).item() / 2
     return {"got": got, "want": want}
+
+
+def with_metrics(group, path: str) -> dict:
+    """PP2 x DP2 with ``csv_monitor``: rank 0's rows."""
+    import csv
+    cfg = config(1, 4, "GPipe")
+    cfg["csv_monitor"] = {"enabled": True, "output_path": path, "job_name": "pp"}
+    engine, _, _, _ = zerodp.initialize(model=build(2), config=cfg)
+    losses = [engine.train_batch(iter([micro_batch(s, engine.dp_rank, m) for m in range(4)])).item()
+              for s in range(2)]
+    engine.destroy()
+    rows = []
+    if dist.get_rank() == 0:
+        with open(engine.monitor.csv_path) as f:
+            rows = list(csv.DictReader(f))
+    return {"rows": rows, "losses": losses}
+
+
+def equal_stages_memory(group, stage: int) -> dict:
+    """Four equal blocks on PP2 x DP2 (two a stage), AdamW in fp32: each rank's ledger after a step."""
+    def model():
+        return PipelineModule([LayerSpec(Block) for _ in range(4)], num_stages=2, loss_fn=nn.MSELoss(),
+                              seed_layers=True, partition_method="uniform")
+    cfg = config(stage, 2, "1F1B", optimizer="AdamW")
+    cfg["zero_optimization"]["reduce_bucket_size"] = 10**6
+    engine, _, _, _ = zerodp.initialize(model=model(), config=cfg)
+    g = torch.Generator().manual_seed(engine.dp_rank)
+    engine.train_batch(iter([(torch.randn(2, SEQ, DIM, generator=g), torch.randn(2, SEQ, DIM, generator=g))
+                             for _ in range(2)]))
+    out = {"memory": engine.memory_breakdown(), "total_params": sum(p.numel() for p in Block().parameters()) * 4}
+    engine.destroy()
+    return out

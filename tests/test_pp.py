@@ -136,3 +136,27 @@ def test_eval_batch_gives_the_mean_loss_on_every_stage(pool):
     results = pool.run(eval_batches, 4, 2, 3)
     want = sum(r["want"] for r in results[:2]) / 2  # the data-parallel ranks' mean
     assert all(r["got"] == pytest.approx(want, rel=1e-6) for r in results)
+
+
+def test_metrics_rows_have_the_bubble_and_the_point_to_point_bytes(pool, tmp_path):
+    from pp_tasks import with_metrics
+    results = pool.run(with_metrics, 4, str(tmp_path))
+    rows = results[0]["rows"]
+    assert [int(r["step"]) for r in rows] == [1, 2]
+    for row, loss in zip(rows, results[0]["losses"]):
+        assert float(row["bubble_fraction"]) == pytest.approx(1 / 5)  # GPipe, 2 stages, 4 micro-batches
+        assert int(row["comm_p2p"]) > 0 and float(row["loss"]) == pytest.approx(loss, rel=1e-6)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_model_states_per_rank_and_the_estimate(pool, stage):
+    """Each rank holds its stage's share of the model, sharded over the stage's data-parallel ranks;
+    ``zerodp.estimate(..., pp=2)`` gives the same (within the flat groups' padding)."""
+    from pp_tasks import equal_stages_memory
+
+    import zerodp
+    results = pool.run(equal_stages_memory, 4, stage)
+    total = results[0]["total_params"]
+    row = zerodp.estimate(total, ranks_per_node=4, pp=2, precision="fp32").row(stage)
+    for r in results:
+        assert r["memory"]["model_states"] == pytest.approx(row.model_states, rel=0.01), (r["memory"], row)

@@ -152,10 +152,12 @@ class PipelineEngine(ZeroEngine):
                 self._schedule.step(*args, target=target, losses=losses)
             else:
                 self._schedule.step(target=target, losses=losses)
+        self.agg_train_loss = self._mean_loss([loss.detach() / factor for loss in losses])
+        if self.monitor is not None:  # the step's row gets its loss
+            self.monitor.on_backward(self.agg_train_loss)
         self.reduce_accumulated()
         self._sum_tied_gradients()
         self.update_parameters(count_micro_step=False)
-        self.agg_train_loss = self._mean_loss([loss.detach() / factor for loss in losses])
         return self.agg_train_loss
 
     def eval_batch(self, data_iter: Optional[Iterator] = None, return_logits: bool = False,

@@ -113,6 +113,8 @@ def _estimate_add_arguments(parser: argparse.ArgumentParser) -> None:
         help="ranks (devices) per node (default 1)")
     add("--tp", default="1", help="tensor-parallel size: each layer split over this many ranks, ZeRO "
         "sharding over the rest (default 1)")
+    add("--pp", default="1", help="pipeline stages: each holds its share of the layers (an even split), ZeRO "
+        "sharding over the data-parallel ranks of the stage (default 1)")
     add("--hybrid-shard", default=None, metavar="N", help="hybrid sharding: ZeRO shards over groups of N "
         "data-parallel ranks and replicates across them (mics_shard_size)")
     add("--device-memory", default=None, help="memory per device, e.g. 80GB or 24GiB; without it "
@@ -151,7 +153,7 @@ def _run_estimate(args: argparse.Namespace) -> int:
             ranks_per_node=args.ranks_per_node, device_memory=args.device_memory,
             cpu_memory=args.cpu_memory, precision=args.precision, optimizer=args.optimizer,
             accounting=args.accounting, micro_batch=args.micro_batch, seq_len=args.seq_len,
-            checkpointing=args.checkpointing, tp=args.tp,
+            checkpointing=args.checkpointing, tp=args.tp, pp=args.pp,
             shard_size=None if args.hybrid_shard is None else args.hybrid_shard, **defaults)
     except estimator.EstimateError as e:
         _error(f"--{e.name.replace('_', '-')}: {e.detail}", "estimate")

@@ -57,6 +57,8 @@ TENSORBOARD_MISSING = ("tensorboard.enabled is true in the config, but the tenso
 #: groups, and ``mem_<category>`` / ``comm_<kind>`` columns follow ``tokens_per_s``.
 BASE_COLUMNS = ("step", "samples", "elapsed_s", "loss", "lr", "grad_norm", "loss_scale",
                 "skipped_steps", "step_time_s", "samples_per_s", "tokens_per_s")
+#: Columns of a pipeline engine's rows, after ``tokens_per_s``.
+PIPELINE_COLUMNS = ("bubble_fraction",)
 
 
 def require_tensorboard() -> type:
@@ -163,8 +165,11 @@ class TrainingMonitor:
             self._lr_hook = register(_lr_recorder(weakref.ref(self)))
         self._memory_keys = list(engine.memory_breakdown())
         self._comm_keys = list(engine.comm_stats())
+        # a pipeline engine's schedule: the share of a step its stages idle (fill and drain)
+        self._pipeline = [k for k in PIPELINE_COLUMNS if hasattr(engine, k)]
         self.columns = [*BASE_COLUMNS[:5], *(f"lr_{i}" for i in range(1, n_lrs)), *BASE_COLUMNS[5:],
-                        *(f"mem_{k}" for k in self._memory_keys), *(f"comm_{k}" for k in self._comm_keys)]
+                        *self._pipeline, *(f"mem_{k}" for k in self._memory_keys),
+                        *(f"comm_{k}" for k in self._comm_keys)]
         self._info = self._run_info(engine)
         if csv_dir is not None:
             _make_dir(Path(csv_dir), "csv_monitor.output_path")
@@ -235,6 +240,8 @@ class TrainingMonitor:
         self._step_lrs = None
         for i, lr in enumerate(lrs):
             row["lr" if i == 0 else f"lr_{i}"] = float(lr)
+        for key in self._pipeline:
+            row[key] = float(getattr(engine, key))
         for key, value in engine.memory_breakdown().items():
             row[f"mem_{key}"] = int(value)
         for key, value in engine.comm_stats().items():

@@ -47,6 +47,15 @@ class ModelInfo:
     """Elements of the parameters the model's tensor-parallel plan splits (None: no plan known)."""
     split_trainable: Optional[int] = None
 
+    def stage(self, pp: int) -> "ModelInfo":
+        """One pipeline stage of ``pp``: 1/pp of the parameters (an even split), its units as they were."""
+        if pp == 1:
+            return self
+        share = lambda n: None if n is None else -(-n // pp)  # noqa: E731
+        return replace(self, description=f"{self.description}, 1/{pp} pipeline stage",
+                       params=share(self.params), trainable_params=share(self.trainable_params),
+                       split_params=share(self.split_params), split_trainable=share(self.split_trainable))
+
     def local(self, tp: int) -> "ModelInfo":
         """What one tensor-parallel rank of ``tp`` holds: split parameters 1/tp, the rest whole
         (every parameter split when the plan is not known: a bare count). Unit sizes and the

@@ -75,7 +75,7 @@ def estimate(model: Union[str, int, nn.Module, ModelInfo], *, nodes: int = 1, ra
              model_kwargs: Union[None, str, dict] = None,
              reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET,
              max_live_parameters: int = DEFAULT_MAX_LIVE, tp: int = 1,
-             shard_size: Optional[int] = None) -> Estimate:
+             shard_size: Optional[int] = None, pp: int = 1) -> Estimate:
     """Per-rank memory of ZeRO stages 0-3, with and without offload, and a recommendation.
 
     ``model``: a parameter count (``"7.5B"`` or an int), a path to a ``transformers`` config
@@ -85,7 +85,8 @@ def estimate(model: Union[str, int, nn.Module, ModelInfo], *, nodes: int = 1, ra
     ``accounting``: ``"mixed"`` (default for bf16/fp16), ``"no-master"``, or ``"fp32"``
     (the only one for fp32). ``tp``: tensor-parallel size (each rank holds its slice of the
     parameters the model's plan splits; ZeRO shards over the N / tp data-parallel ranks);
-    ``shard_size``: hybrid sharding, ZeRO shards over groups of that many data-parallel ranks.
+    ``shard_size``: hybrid sharding, ZeRO shards over groups of that many data-parallel ranks;
+    ``pp``: pipeline stages, each holding 1/pp of the parameters (an even split).
     Raises :class:`EstimateError` for input it cannot use.
     """
     nodes = _positive_int(nodes, "nodes")
@@ -101,16 +102,18 @@ def estimate(model: Union[str, int, nn.Module, ModelInfo], *, nodes: int = 1, ra
     info = resolve_model(model, model_kwargs)
     world = nodes * ranks_per_node
     tp = _positive_int(tp, "tp")
-    if world % tp:
-        raise EstimateError("tp", f"{tp} does not divide the {world} ranks")
-    n = world // tp  # the data-parallel ranks ZeRO shards over
+    pp = _positive_int(pp, "pp")
+    if world % (tp * pp):
+        raise EstimateError("tp" if world % tp else "pp", f"tensor {tp} x pipeline {pp} does not divide the "
+                                                          f"{world} ranks")
+    n = world // (tp * pp)  # the data-parallel ranks ZeRO shards over
     if shard_size is not None:
         shard_size = _positive_int(shard_size, "shard_size")
         if n % shard_size:
             raise EstimateError("shard_size", f"{shard_size} does not divide the {n} data-parallel ranks")
         n = shard_size
     whole = info
-    info = info.local(tp)
+    info = info.local(tp).stage(pp)
     acts = estimate_activations(info, precision, micro_batch, seq_len, checkpointing)
     buffers = estimate_buffers(info, acc.params, reduce_bucket_size, max_live_parameters)
     rows = [_with_fit(estimate_row(acc, info, stage, off, n, ranks_per_node, buffers, acts.bytes),
@@ -131,5 +134,9 @@ def estimate(model: Union[str, int, nn.Module, ModelInfo], *, nodes: int = 1, ra
                  "the rest (norms, biases of row splits, position embeddings) stay whole on every rank")
         notes.append(f"tensor parallelism: {tp} ranks per layer, Ψ is one rank's slice ({_num(info.params)}); "
                      f"{split}; activations are not divided by the tensor-parallel size here")
+    if pp > 1:
+        notes.append(f"pipeline parallelism: {pp} stages, Ψ is one stage's share ({_num(info.params)}, an even "
+                     "split; a stage's real share follows its layers), plus the activations the schedule keeps for "
+                     "its micro-batches in flight, not counted here")
     return Estimate(info, nodes, ranks_per_node, precision, spec, acc, device, cpu, buffers, acts,
-                    rows, rec, reason, notes, tp=tp, shard_size=n)
+                    rows, rec, reason, notes, tp=tp, shard_size=n, pp=pp)

@@ -37,6 +37,8 @@ class Estimate:
     """Tensor-parallel size: the model is one rank's slice of it."""
     shard_size: Optional[int] = None
     """The ranks ZeRO shards over (N in the formulas): data-parallel ranks, or a hybrid group."""
+    pp: int = 1
+    """Pipeline stages: the model is one stage's share of it."""
 
     @property
     def world_size(self) -> int:
@@ -44,7 +46,7 @@ class Estimate:
 
     @property
     def shards(self) -> int:
-        return self.shard_size or self.world_size // self.tp
+        return self.shard_size or self.world_size // (self.tp * self.pp)
 
     def row(self, stage: int, offload: str = "none") -> Row:
         """The row of ``stage`` with ``offload``."""
@@ -55,7 +57,7 @@ class Estimate:
         return {
             "model": asdict(self.model),
             "nodes": self.nodes, "ranks_per_node": self.ranks_per_node, "world_size": self.world_size,
-            "tp": self.tp, "shards": self.shards,
+            "tp": self.tp, "pp": self.pp, "shards": self.shards,
             "precision": self.precision,
             "optimizer": asdict(self.optimizer),
             "accounting": {**asdict(self.accounting), "k": self.accounting.k,
@@ -136,7 +138,8 @@ def format_estimate(est: Estimate) -> str:
         f"CPU memory per node {cpu}",
         f"accounting: {acc.describe(est.optimizer)}",
         f"  model states per rank: {acc.formulas()} (Ψ parameters, N = {est.shards} ranks"
-        + (f"; Ψ per tensor-parallel rank of {est.tp}" if est.tp > 1 else "") + ")",
+        + (f"; Ψ per tensor-parallel rank of {est.tp}" if est.tp > 1 else "")
+        + (f"; Ψ per pipeline stage of {est.pp}" if est.pp > 1 else "") + ")",
         "",
         *_table(est),
         "",
