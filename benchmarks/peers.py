@@ -9,6 +9,9 @@
 * ``zero0`` .. ``zero3``           zerodp stages 0-3
 * ``zero3-tp2`` ``fsdp2-tp2``      tensor parallelism over pairs of ranks, with zerodp stage 3 or
                                    FSDP2 over the data-parallel ranks (a 2-D mesh)
+* ``zero1-pp2`` ``zero3-pp2`` ``zero1-pp2-tp2`` ``ds1-pp2``  pipeline parallelism (2 stages, 1F1B),
+                                   zerodp's at stages 1 and 3 (and with TP 2), DeepSpeed's pipeline
+                                   engine at ZeRO stage 1 (the most it allows)
 * with ``--systems``, also offload: ``ds2-offload`` ``ds3-offload`` (DeepSpeed ZeRO-Offload),
   ``zero2-offload`` ``zero3-offload`` ``zero3-nvme`` (zerodp; ``benchmarks/offload.py`` runs them)
 
@@ -92,6 +95,12 @@ SYSTEMS = [
     System("zero3-tp2", "zerodp", "zerodp stage 3 over DP N/2 x TP 2", ("zerodp",)),
     System("fsdp2-tp2", "torch", "FSDP2 over DP N/2 x torch TP 2 (the same plan), reshard_after_forward=True",
            ("torch.distributed.fsdp", "torch.distributed.tensor.parallel", "zerodp")),
+    # pipeline parallelism (2 stages, 1F1B, the GPT as a PipelineModule of layers: _pipeline_gpt.py);
+    # a data-parallel rank trains on the micro-batches of the ranks it stands for, one micro-batch each
+    System("zero1-pp2", "zerodp", "zerodp stage 1 over PP 2 x DP N/2, 1F1B", ("zerodp",)),
+    System("zero3-pp2", "zerodp", "zerodp stage 3 over PP 2 x DP N/2, 1F1B", ("zerodp",)),
+    System("zero1-pp2-tp2", "zerodp", "zerodp stage 1 over PP 2 x TP 2 x DP N/4, 1F1B", ("zerodp",)),
+    System("ds1-pp2", "deepspeed", "DeepSpeed's pipeline engine, ZeRO stage 1, PP 2 x DP N/2", ("deepspeed",)),
     # offload (benchmarks/offload.py --part steps runs these): each system's own CPU Adam
     System("ds2-offload", "deepspeed", "DeepSpeed ZeRO-Offload stage 2 (DeepSpeedCPUAdam)", ("deepspeed",)),
     System("ds3-offload", "deepspeed", "DeepSpeed ZeRO-Offload stage 3, optimizer and parameters on CPU",
@@ -115,8 +124,8 @@ ADAMW = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 #   clipping, summed gradients leave the loss almost unchanged: the norm check catches them.)
 GRAD_NORM_RTOL = 1e-3
 LOSS_ATOL = 1e-4
-#: The tensor-parallel size of the ``-tp2`` systems.
-TP = 2
+#: The tensor-parallel size of the ``-tp2`` systems and the pipeline stages of the ``-pp2`` ones.
+TP = PP = 2
 
 
 # ============================================================================ worker side
@@ -254,6 +263,7 @@ class Trainer:
     step: Callable
     extra_comm: Callable[[], tuple[float, int]] = lambda: (0.0, 0)  # (bytes, calls) per step not seen from Python
     own_comm_bytes: Callable[[], Optional[float]] = lambda: None    # the system's own counter, if any
+    own_comm_by_group: Callable[[], Optional[dict]] = lambda: None  # zerodp: its bytes per process group
 
 
 def _norm_value(norm) -> float:
@@ -277,6 +287,59 @@ def _ddp_bucket_traffic(net, world: int, params) -> tuple[float, int]:
     if not sizes:
         sizes = [sum(p.numel() * p.element_size() for p in params if p.requires_grad)]
     return 2 * sum(sizes) * (world - 1) / world, len(sizes)
+
+
+def _ranks_needed(system: str) -> int:
+    """The tensor-parallel size times the pipeline stages of ``system``: the world size must be a multiple."""
+    return (TP if "-tp2" in system else 1) * (PP if "-pp2" in system else 1)
+
+
+def _stands_for(system: str, rank: int, world: int) -> list[int]:
+    """The ranks of the data-parallel systems whose micro-batches ``rank`` of ``system`` trains on:
+    a data-parallel rank of a grid with tensor and pipeline axes stands for world / data ranks."""
+    tp = TP if "-tp2" in system else 1
+    pp = PP if "-pp2" in system else 1
+    data = world // (tp * pp)
+    d = (rank // tp) % data
+    k = world // data
+    return list(range(d * k, d * k + k))
+
+
+def _build_pipeline(system: str, model, args, world: int) -> Trainer:
+    """zerodp's or DeepSpeed's pipeline engine over the GPT as layers (``_pipeline_gpt.py``)."""
+    import _pipeline_gpt as pg
+    import torch
+    stage = int(system[2] if system.startswith("ds") else system[4])
+    tp = TP if system.endswith("-tp2") else 1
+    micro_batches = TP * PP if tp > 1 else PP
+    config = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": micro_batches,
+              "gradient_clipping": args.clip, "steps_per_print": 10**9,
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": int(args.bucket_mb * 2**20 / 4)}}
+    if system.startswith("ds"):
+        import deepspeed
+        from deepspeed.pipe import PipelineModule
+        config["optimizer"] = {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"]), "torch_adam": True}}
+        net = PipelineModule(layers=pg.layers(deepspeed.pipe, model), num_stages=PP, loss_fn=pg.loss_fn,
+                             partition_method="parameters")
+        engine, _, _, _ = deepspeed.initialize(model=net, config=config,
+                                               model_parameters=[p for p in net.parameters() if p.requires_grad])
+        own = None
+    else:
+        import zerodp
+        from zerodp.pipe import PipelineModule
+        config["pipeline"] = {"schedule": "1F1B"}
+        if tp > 1:
+            config["tensor_parallel"] = {"autotp_size": tp, "partition_config": pg.TP_PARTITION}
+        net = PipelineModule(layers=pg.layers(zerodp.pipe, model), num_stages=PP, loss_fn=pg.loss_fn,
+                             partition_method="parameters")
+        engine, _, _, _ = zerodp.initialize(model=net, config=config, optimizer=lambda g: torch.optim.AdamW(g, **ADAMW))
+        own = lambda: float(engine.comm_stats()["total"])  # noqa: E731
+
+    def step(xs, ys):
+        loss = engine.train_batch(iter(zip(xs, ys)))
+        return loss, engine.get_global_grad_norm()
+    by_group = (lambda: engine.comm_stats(by_group=True)) if own is not None else (lambda: None)
+    return Trainer(step, own_comm_bytes=own or (lambda: None), own_comm_by_group=by_group)
 
 
 def _build(system: str, model, gpt, args, world: int) -> Trainer:
@@ -351,6 +414,9 @@ def _build(system: str, model, gpt, args, world: int) -> Trainer:
         opt = torch.optim.AdamW(params, **ADAMW)
         return Trainer(torch_step(model, params, opt))
 
+    if "-pp2" in system:
+        return _build_pipeline(system, model, args, world)
+
     if system.startswith("ds"):
         import deepspeed
         stage, offload = int(system[2]), system.endswith("-offload")
@@ -412,7 +478,8 @@ def _build(system: str, model, gpt, args, world: int) -> Trainer:
             engine.backward(loss)
             engine.step()
             return loss, engine.get_global_grad_norm()
-        return Trainer(zero_step, own_comm_bytes=lambda: float(engine.comm_stats()["total"]))
+        return Trainer(zero_step, own_comm_bytes=lambda: float(engine.comm_stats()["total"]),
+                       own_comm_by_group=lambda: engine.comm_stats(by_group=True))
 
     raise ValueError(f"unknown system {system!r}")
 
@@ -438,11 +505,14 @@ def _worker(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
     model = gpt.build_gpt(args.model)
     n_params = model.num_parameters()
-    tp = TP if args.system.endswith("-tp2") else 1
-    # a tensor-parallel group stands for tp data-parallel ranks of the other systems: their batches
+    # a rank of a tensor-parallel or pipeline grid stands for several data-parallel ranks of the
+    # other systems: it trains on their batches (concatenated, or one micro-batch each in a pipeline)
     per_rank = [_common.make_batches(gpt, model.config.block_size, args.micro_batch, args.warmup + args.steps,
-                                     args.seed, r) for r in range(rank // tp * tp, rank // tp * tp + tp)]
-    batches = [tuple(torch.cat(parts) for parts in zip(*step)) for step in zip(*per_rank)]
+                                     args.seed, r) for r in _stands_for(args.system, rank, world)]
+    if "-pp2" in args.system:
+        batches = [tuple(list(parts) for parts in zip(*step)) for step in zip(*per_rank)]
+    else:
+        batches = [tuple(torch.cat(parts) for parts in zip(*step)) for step in zip(*per_rank)]
     rss_model = _common.rss_now_mib()
     trainer = _build(args.system, model, gpt, args, world)
     rss_ready = _common.rss_now_mib()
@@ -476,6 +546,7 @@ def _worker(args: argparse.Namespace) -> None:
         "comm_calls_by_call": {k: v / args.steps for k, v in sorted(counter.calls.items())},
         "socket_bytes_per_step": (wire1 - wire0) / args.steps if wire0 is not None and wire1 is not None else None,
         "own_comm_bytes_last_step": own,
+        "own_comm_by_group_last_step": trainer.own_comm_by_group(),
         "losses": losses, "grad_norms": norms,
     }
     rows: list = [None] * world
@@ -708,7 +779,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="world sizes (default 2 4)")
     ap.add_argument("--reps", type=int, default=3, help="repetitions of every run, interleaved (default 3)")
-    default = [n for n in names if not n.endswith(("-offload", "-nvme"))]
+    default = [n for n in names if not n.endswith(("-offload", "-nvme")) and "-tp2" not in n and "-pp2" not in n]
     ap.add_argument("--systems", nargs="+", default=default, choices=names, metavar="SYSTEM",
                     help=f"systems to run, in this order (default: {' '.join(default)}; also "
                          f"{' '.join(n for n in names if n not in default)})")
@@ -743,7 +814,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     for s, why in skipped.items():
         print(f"skipping {s}: {why}", flush=True)
     plan = [(rep, world, system) for rep in range(args.reps) for world in args.worlds
-            for system in args.systems if system not in skipped]
+            for system in args.systems if system not in skipped and world % _ranks_needed(system) == 0]
     runs: list[Run] = []
     t_start = time.perf_counter()
     for i, (rep, world, system) in enumerate(plan, 1):

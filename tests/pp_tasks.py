@@ -67,7 +67,7 @@ def micro_batch(step: int, dp_rank: int, micro: int) -> tuple[torch.Tensor, torc
 
 
 def config(stage: int, gas: int, schedule: str, clip: float = 0.5, optimizer: str = "SGD",
-           dtype: str = "fp32", tp: int = 0) -> dict:
+           dtype: str = "fp32", tp: int = 0, offload: bool = False) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
            "gradient_clipping": clip, "steps_per_print": 10**6,
            "optimizer": {"type": optimizer, "params": dict(OPTIMIZERS[optimizer][1])},
@@ -76,6 +76,8 @@ def config(stage: int, gas: int, schedule: str, clip: float = 0.5, optimizer: st
            "pipeline": {"schedule": schedule}}
     if dtype != "fp32":
         cfg[dtype] = {"enabled": True}
+    if offload:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     if tp:
         cfg["tensor_parallel"] = {"autotp_size": tp, "partition_config": {"layer_specs": [
             {"patterns": [r"\.up\.weight$"], "partition_type": "column"},
@@ -125,10 +127,11 @@ def whole_params(engine) -> dict[str, torch.Tensor]:
 
 def train(group, pp: int, stage: int, steps: int, gas: int, schedule: str = "1F1B", clip: float = 0.5,
           optimizer: str = "SGD", dtype: str = "fp32", virtual: int = 1, tp: int = 0, tied: bool = True,
-          checkpoint_every: int = 0, save_to: str | None = None) -> dict:
+          checkpoint_every: int = 0, save_to: str | None = None, offload: bool = False) -> dict:
     """Worker task on every rank of the world: ``steps`` calls of ``train_batch``."""
     model = build(pp, tied=tied, virtual=virtual, checkpoint_every=checkpoint_every)
-    engine, _, _, _ = zerodp.initialize(model=model, config=config(stage, gas, schedule, clip, optimizer, dtype, tp))
+    engine, _, _, _ = zerodp.initialize(model=model, config=config(stage, gas, schedule, clip, optimizer, dtype, tp,
+                                                                   offload))
     calls = [0]
     for m in model.modules():
         if isinstance(m, Block):
@@ -265,4 +268,17 @@ def equal_stages_memory(group, stage: int) -> dict:
                              for _ in range(2)]))
     out = {"memory": engine.memory_breakdown(), "total_params": sum(p.numel() for p in Block().parameters()) * 4}
     engine.destroy()
+    return out
+
+
+def activations_by_schedule(group) -> dict:
+    """The first step's activation peak on PP2 x DP2 under GPipe and 1F1B, with 4 and 8 micro-batches."""
+    out = {}
+    for schedule in ("GPipe", "1F1B"):
+        for m in (4, 8):
+            engine, _, _, _ = zerodp.initialize(model=build(2), config=config(1, m, schedule))
+            engine.train_batch(iter([micro_batch(0, engine.dp_rank, i) for i in range(m)]))
+            out[f"{schedule}-{m}"] = engine.memory_breakdown()["activations_peak"]
+            out["stage"] = engine.stage_id
+            engine.destroy()
     return out

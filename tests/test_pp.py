@@ -160,3 +160,22 @@ def test_model_states_per_rank_and_the_estimate(pool, stage):
     row = zerodp.estimate(total, ranks_per_node=4, pp=2, precision="fp32").row(stage)
     for r in results:
         assert r["memory"]["model_states"] == pytest.approx(row.model_states, rel=0.01), (r["memory"], row)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_optimizer_offload_under_a_pipeline(pool, stage):
+    """Optimizer states and fp32 masters on the host (``offload_optimizer: cpu``), the step walked there."""
+    results = pool.run(train, 4, 2, stage, STEPS, GAS, offload=True)
+    assert_matches(results, reference(2, STEPS, GAS))
+
+
+def test_activations_in_flight_follow_the_schedule(pool):
+    """The first stage keeps every micro-batch's activations under GPipe (all forwards before any
+    backward) and at most 2 under 1F1B (2 stages): doubling the micro-batches from 4 to 8 adds 4
+    micro-batches' worth to GPipe's measured peak and nothing to 1F1B's."""
+    from pp_tasks import activations_by_schedule
+    first = pool.run(activations_by_schedule, 4)[0]
+    assert first["stage"] == 0 and first["1F1B-4"] > 0
+    assert first["1F1B-8"] == pytest.approx(first["1F1B-4"], rel=0.02), first  # (the ids batch doubles)
+    per_micro = (first["GPipe-8"] - first["GPipe-4"]) / 4
+    assert per_micro > 0 and first["GPipe-4"] - first["1F1B-4"] == pytest.approx(2 * per_micro, rel=0.05), first

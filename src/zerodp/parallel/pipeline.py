@@ -20,7 +20,9 @@ so the gradients are those of the mean loss, as one process's.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
+import weakref
 from typing import Any, Iterable, Iterator, Optional
 
 import torch
@@ -66,6 +68,7 @@ class PipelineEngine(ZeroEngine):
         self._stages, self._schedule = self._build_schedule(model)
         self._data_iter: Optional[Iterator] = None
         self.agg_train_loss: Optional[torch.Tensor] = None
+        self.activations_peak = 0  # measured in the first train_batch (the schedule's shape repeats)
 
     # -- set-up -----------------------------------------------------------------------------------
 
@@ -147,11 +150,14 @@ class PipelineEngine(ZeroEngine):
         losses: list[torch.Tensor] = []
         factor = self._loss_factor
         self.module.train()
-        with self.no_sync(), self.parameters_held():
+        measure = _ActivationMeter() if self.global_steps == 0 else contextlib.nullcontext()
+        with self.no_sync(), self.parameters_held(), measure:
             if self.is_first_stage():
                 self._schedule.step(*args, target=target, losses=losses)
             else:
                 self._schedule.step(target=target, losses=losses)
+        if isinstance(measure, _ActivationMeter):
+            self.activations_peak = measure.peak
         self.agg_train_loss = self._mean_loss([loss.detach() / factor for loss in losses])
         if self.monitor is not None:  # the step's row gets its loss
             self.monitor.on_backward(self.agg_train_loss)
@@ -179,6 +185,14 @@ class PipelineEngine(ZeroEngine):
             self.module.train()
         loss = self._mean_loss([x / factor for x in losses]) if compute_loss else None
         return (loss, outputs if self.is_last_stage() else None) if return_logits else loss
+
+    def memory_breakdown(self) -> dict[str, int]:
+        """The engine's ledger (this stage's model states on this rank), plus ``activations_peak``:
+        the most bytes of activations autograd kept at once for the schedule's micro-batches in
+        flight, measured in the first ``train_batch`` (0 before it)."""
+        out = super().memory_breakdown()
+        out["activations_peak"] = int(self.activations_peak)
+        return out
 
     # -- a step's pieces ----------------------------------------------------------------------------
 
@@ -242,6 +256,56 @@ class PipelineEngine(ZeroEngine):
             h.remove()
         self._count_hooks = []
         super().destroy()
+
+
+class _Saved:
+    """A tensor autograd saved for backward, as ``_ActivationMeter`` hands it to autograd."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+class _ActivationMeter:
+    """While active, counts the bytes of the tensors autograd saves for backward (activations:
+    parameters are not counted; a storage saved twice counts once) and the most alive at once."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, list[int]] = {}  # storage address -> [times saved, bytes]
+        self.current = self.peak = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, t: torch.Tensor):
+        if (t.is_leaf and t.requires_grad) or type(t) is not torch.Tensor:  # parameters, DTensors
+            return t
+        key = t.untyped_storage().data_ptr()
+        entry = self.live.get(key)
+        if entry is None:
+            entry = self.live[key] = [0, t.untyped_storage().nbytes()]
+            self.current += entry[1]
+            self.peak = max(self.peak, self.current)
+        entry[0] += 1
+        saved = _Saved(t)
+        weakref.finalize(saved, self._release, key)
+        return saved
+
+    def _release(self, key: int) -> None:
+        entry = self.live.get(key)
+        if entry is not None:
+            entry[0] -= 1
+            if entry[0] == 0:
+                self.current -= entry[1]
+                del self.live[key]
+
+    @staticmethod
+    def _unpack(saved):
+        return saved.tensor if isinstance(saved, _Saved) else saved
+
+    def __enter__(self) -> "_ActivationMeter":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
 
 
 class _OneStage:
