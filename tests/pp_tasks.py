@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from tp_tasks import whole_params  # every stage's parameters, tensor slices put together
 
 import zerodp
 from zerodp.pipe import LayerSpec, PipelineModule, TiedLayerSpec
@@ -103,26 +104,6 @@ def reference(dp, steps: int, gas: int, clip: float = 0.5, optimizer: str = "SGD
         losses.append(loss.item())
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "norms": norms,
             "losses": losses}
-
-
-def whole_params(engine) -> dict[str, torch.Tensor]:
-    """This stage's parameters, gathered (stage 3) and whole (tensor slices put together), by name."""
-    from zerodp.core.flat import local_tensor
-    out = {}
-    slices = {s.name: s.tp for g in engine.flat_groups for s in g.slots}
-    with zerodp.GatheredParameters(list(engine.module.parameters())):
-        for name, p in engine.module.named_parameters():
-            local = local_tensor(p).detach().clone().float()
-            tp = slices.get(name)
-            if tp is not None:
-                parts = [torch.empty_like(local) for _ in range(tp.size)]
-                dist.all_gather(parts, local.contiguous(), group=engine.grid.tensor.group)
-                full = torch.empty(tp.shape)
-                for r, part in enumerate(parts):
-                    tp.place(full, part, r)
-                local = full
-            out[name] = local
-    return out
 
 
 def train(group, pp: int, stage: int, steps: int, gas: int, schedule: str = "1F1B", clip: float = 0.5,

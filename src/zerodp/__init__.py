@@ -137,6 +137,11 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     pipelined = isinstance(model, PipelineModule)
     grid = parallel.grid_for(model, cfg, mpu=mpu, mesh_param=mesh_param, process_group=process_group,
                              pp=model.num_stages if pipelined else 1)
+    if pipelined and grid.pipe.rank != model.stage_id:
+        raise parallel.GridError(
+            f"the PipelineModule built stage {model.stage_id}'s layers on rank {grid.rank}, but the grid "
+            f"({grid.source}) puts this rank in pipeline stage {grid.pipe.rank}: the pipeline axis must be "
+            "the outermost (stage s = global ranks s x world / stages onwards)")
     if user_loader and training_data.batch_size is not None:  # its batches are the engine's micro-batches
         world = grid.dp_size
         micro = resolve_batch_sizes(cfg, world)[1]

@@ -196,7 +196,7 @@ class ZeroEngine(EngineAPI, nn.Module):
             g.counted_here = not any(id(p) in elsewhere for p in g.params)
         adopt_replaced_params(self.base_module, self.flat_groups)
         self.trainable = [g for g in self.flat_groups if g.trainable]
-        broadcast_initial_state(self.grid.data.comm(), self.base_module, self.flat_groups)
+        broadcast_initial_state(self.data_comm, self.base_module, self.flat_groups)
         self.units: list[Unit] = []
         self._unit_hooks = []
         self.param_offload: Optional[ParamOffload] = None
