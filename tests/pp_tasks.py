@@ -201,6 +201,7 @@ def round_trip(group, path: str, legs: list, gas: int, first_step: int = 0, load
             norms.append(engine.get_global_grad_norm())
             step += 1
         engine.save_checkpoint(path)
+        engine.save_16bit_model(f"{path}/16bit-{i}")
         out = {"params": whole_params(engine), "norms": norms, "losses": losses, "stage": engine.stage_id,
                "global_steps": engine.global_steps}
         engine.destroy()

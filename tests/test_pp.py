@@ -118,6 +118,13 @@ def test_checkpoints_move_between_pipelines(pool, tmp_path):
     assert sorted(full) == sorted(ref["params"])
     for name, value in ref["params"].items():
         assert (full[name] - value).abs().max().item() <= 1e-6, name
+    # save_16bit_model: the whole model from rank 0, after the PP2 x DP2 stage-3 leg and the PP2 x TP2 one
+    import torch
+    for leg, want in ((0, reference(2, 2, GAS)["params"]), (3, ref["params"])):
+        got = torch.load(tmp_path / f"16bit-{leg}" / "pytorch_model.bin", weights_only=True)
+        assert sorted(got) == sorted(want), leg
+        for name, value in want.items():
+            assert (got[name] - value).abs().max().item() <= 1e-6, (leg, name)
 
 
 @pytest.mark.parametrize("stage", [1, 3])

@@ -202,12 +202,29 @@ def consolidated_16bit_state_dict(view: CheckpointView, exclude_frozen_parameter
     """The full model's weights in the compute dtype (gathered group by group at stage 3, a
     split parameter's tensor-parallel slices put together) and persistent buffers, on the CPU,
     in the module's state-dict order, on rank 0; an empty dict on the other ranks. Every rank
-    must call it."""
+    must call it. Under a pipeline each stage's first rank puts its stage's part together and
+    rank 0 receives them in stage order (a tied weight once, from its first stage)."""
+    first = view.writer_rank % (view.dp_world_size * view.tp_size) == 0  # this stage's data 0, tensor 0
+    state = _stage_16bit_state_dict(view, first, exclude_frozen_parameters)
+    if view.pipe_size == 1 or not first:
+        return state
+    parts = view.pipe_comm.gather_objects(state)
+    if view.writer_rank != 0:
+        return OrderedDict()
+    whole: "OrderedDict[str, torch.Tensor]" = OrderedDict()
+    for part in parts:
+        for name, value in part.items():
+            whole.setdefault(name, value)
+    return whole
+
+
+def _stage_16bit_state_dict(view: CheckpointView, first: bool, exclude_frozen_parameters: bool
+                            ) -> "OrderedDict[str, torch.Tensor]":
+    """This module's part (the whole model without a pipeline) on ``first``; empty elsewhere."""
     state: "OrderedDict[str, torch.Tensor]" = OrderedDict()
     aliases: dict[int, list[str]] = {}
     for name, p in view.module.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
-    first = view.writer_rank == 0
     for g in view.flat_groups:
         if exclude_frozen_parameters and not g.trainable:
             continue

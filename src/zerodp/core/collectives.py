@@ -230,6 +230,15 @@ class Comm:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def gather_objects(self, obj: Any, dst_rank: int = 0) -> list[Any]:
+        """Every rank's picklable ``obj`` in rank order on group rank ``dst_rank``; an empty
+        list elsewhere (consolidating, not counted)."""
+        if self.world_size == 1:
+            return [obj]
+        out: Optional[list[Any]] = [None] * self.world_size if self.rank == dst_rank else None
+        dist.gather_object(obj, out, dst=self.global_ranks[dst_rank], group=self.group)
+        return out or []
+
     def broadcast(self, tensor: torch.Tensor, src_rank: int = 0) -> None:
         """Broadcast ``tensor`` from group rank ``src_rank`` (used at start-up, not counted)."""
         if self.world_size > 1:
