@@ -14,6 +14,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -182,9 +184,17 @@ def test_no_local_rank_and_a_failing_script(tmp_path):
     assert "zerodp launch: error: the run failed (exit code" in proc.stderr
 
 
-def test_ctrl_c_stops_the_workers_and_exits_130():
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize("started", ["plain", "sigint_ignored"])
+def test_ctrl_c_stops_the_workers_and_exits_130(started):
+    # "sigint_ignored": started as a shell script's background job is, with SIGINT ignored;
+    # the launcher still stops on it, and so do torchrun and the workers.
     proc = subprocess.Popen([*LAUNCH, "--num_gpus", "2", SCRIPT], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True, env=environment(LAUNCH_SCRIPT_WAIT="1"))
+                            text=True, env=environment(LAUNCH_SCRIPT_WAIT="1"),
+                            preexec_fn=_ignore_sigint if started == "sigint_ignored" else None)
     try:
         workers = []
         for line in proc.stdout:
@@ -201,3 +211,18 @@ def test_ctrl_c_stops_the_workers_and_exits_130():
     for pid in workers:
         stat = Path(f"/proc/{pid}/stat")
         assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z", f"worker {pid} still runs"
+
+
+def test_workers_that_ignore_the_interrupt_are_killed_after_the_grace_time(monkeypatch):
+    # A "torchrun" that ignores SIGINT: after STOP_GRACE_S the launcher kills it and exits 130.
+    monkeypatch.setattr(launch, "STOP_GRACE_S", 1.0)
+    stubborn = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                "print('READY', flush=True); time.sleep(600)"]
+    timer = threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGINT))
+    start = time.monotonic()
+    timer.start()
+    try:
+        assert launch.run_torchrun(stubborn, environment(), "launch", "the run") == 130
+    finally:
+        timer.cancel()
+    assert time.monotonic() - start < 30

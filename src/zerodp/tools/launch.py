@@ -24,6 +24,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 __all__ = ["add_arguments", "run", "torchrun_command", "default_nproc", "torchrun_env", "run_torchrun",
            "REFUSED"]
@@ -187,42 +188,37 @@ def run(args: argparse.Namespace) -> int:
 
 # -- running torchrun -----------------------------------------------------------------------
 
+STOP_GRACE_S = 60.0
+"""Seconds torchrun gets to stop its workers after the forwarded SIGINT before they are killed
+(torchrun itself gives the workers 30 s before it kills them)."""
+
+
 def run_torchrun(cmd: list[str], env: dict[str, str], command: str, what: str) -> int:
     """Run the torchrun launcher and return its exit code, reporting a failure of ``what``.
 
     The launcher runs in a session of its own, so a terminal's Ctrl-C reaches it only
     through here, exactly once: the first Ctrl-C (or a SIGTERM to this process) is forwarded
-    as SIGINT and torchrun stops the workers; a second one kills torchrun and the workers.
-    """
-    try:
-        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-    except OSError as e:
-        error(f"cannot start {cmd[0]}: {e}", command)
-        return 1
+    as SIGINT and torchrun stops the workers; a second one, or torchrun still running
+    :data:`STOP_GRACE_S` later, kills torchrun and the workers.
 
-    def on_sigterm(signum, frame):
+    The handlers are this function's own, installed before torchrun starts: a process started
+    with SIGINT ignored (a background job of a shell script, ``nohup``) still stops on it, and
+    torchrun and the workers start with the default disposition, not an inherited "ignore".
+    """
+    def interrupted(signum, frame):
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
-    interrupts = 0
+    previous = {sig: signal.signal(sig, interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        while True:
-            try:
-                rc = proc.wait()
-                break
-            except KeyboardInterrupt:
-                if proc.poll() is not None:
-                    continue
-                interrupts += 1
-                if interrupts == 1:
-                    print(f"\n{PROG} {command}: interrupted; stopping the workers "
-                          "(Ctrl-C again to kill them)", file=sys.stderr)
-                    proc.send_signal(signal.SIGINT)
-                else:
-                    print(f"\n{PROG} {command}: killing the workers", file=sys.stderr)
-                    _kill_tree(proc.pid)
+        try:
+            proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        except OSError as e:
+            error(f"cannot start {cmd[0]}: {e}", command)
+            return 1
+        rc, interrupts = _wait(proc, command)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if interrupts:
         return 130
     if rc != 0:
@@ -230,6 +226,33 @@ def run_torchrun(cmd: list[str], env: dict[str, str], command: str, what: str) -
         error(f"{what} failed ({reason}); see the messages above", command)
         return rc if rc > 0 else 128 - rc
     return 0
+
+
+def _wait(proc: subprocess.Popen, command: str) -> tuple[int, int]:
+    """Wait for torchrun: its exit code and how many interrupts came meanwhile."""
+    interrupts, deadline = 0, None
+    while True:
+        try:
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            return proc.wait(timeout=timeout), interrupts
+        except subprocess.TimeoutExpired:
+            print(f"{PROG} {command}: the workers did not stop within {STOP_GRACE_S:.0f} s; "
+                  "killing them", file=sys.stderr)
+            _kill_tree(proc.pid)
+            deadline = None
+        except KeyboardInterrupt:
+            if proc.poll() is not None:
+                continue
+            interrupts += 1
+            if interrupts == 1:
+                print(f"\n{PROG} {command}: interrupted; stopping the workers "
+                      "(Ctrl-C again to kill them)", file=sys.stderr)
+                proc.send_signal(signal.SIGINT)
+                deadline = time.monotonic() + STOP_GRACE_S
+            else:
+                print(f"\n{PROG} {command}: killing the workers", file=sys.stderr)
+                _kill_tree(proc.pid)
+                deadline = None
 
 
 def _children(pid: int) -> list[int]:
