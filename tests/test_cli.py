@@ -12,7 +12,8 @@ from zerodp.config import ConfigError
 from zerodp.tools import cli, train
 
 TRAIN_OPTIONS = ["--nproc", "--preset", "--config", "--model", "--steps", "--micro-batch",
-                 "--grad-accum", "--lr", "--precision", "--seed", "--eval-every", "--max-bytes", "--out", "--tp"]
+                 "--grad-accum", "--lr", "--precision", "--seed", "--eval-every", "--max-bytes", "--out", "--tp",
+                 "--loss-parallel", "--sequence-parallel"]
 
 
 def parse_train(*argv):
@@ -222,9 +223,11 @@ def test_train_two_processes(tmp_path):
                                                          "all_gather", "control"))
 
 
-def test_train_with_tensor_parallelism(tmp_path):
+@pytest.mark.parametrize("options", [[], ["--loss-parallel", "--sequence-parallel"]])
+def test_train_with_tensor_parallelism(tmp_path, options):
     """``--tp 2`` on 2 processes: one tensor-parallel group, one data-parallel rank; the weights it
-    writes are the whole model (consolidated from the split checkpoint) and load into the GPT."""
+    writes are the whole model (consolidated from the split checkpoint) and load into the GPT.
+    With sequence parallelism the split layers reduce-scatter their outputs."""
     import torch
 
     from zerodp.checkpoint.tensorfile import load_file
@@ -233,13 +236,15 @@ def test_train_with_tensor_parallelism(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "zerodp.tools.cli", "train", "--nproc", "2", "--tp", "2", "--model", "tiny",
          "--steps", "4", "--micro-batch", "2", "--eval-every", "0", "--max-bytes", "200000",
-         "--preset", "zero3", "--out", str(tmp_path)],
+         "--preset", "zero3", "--out", str(tmp_path), *options],
         capture_output=True, text=True, timeout=150, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "world size 2 (data 1 x tensor 2)" in proc.stdout
     assert "2 micro x 1 accum x 1 data-parallel rank = 2 sequences" in proc.stdout
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["comm_bytes_per_step"][0]["all_reduce"] > 0  # the split layers' activations
+    if options:  # reduce-scatters: the tensor group's (one data-parallel rank runs no ZeRO collectives)
+        assert summary["comm_bytes_per_step"][0]["reduce_scatter"] > 0
     model = build_gpt("tiny")
     model.load_state_dict({k: v.to(torch.float32) for k, v in load_file(tmp_path / "model.safetensors").items()},
                           strict=True)

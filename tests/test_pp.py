@@ -186,3 +186,14 @@ def test_activations_in_flight_follow_the_schedule(pool):
     assert first["1F1B-8"] == pytest.approx(first["1F1B-4"], rel=0.02), first  # (the ids batch doubles)
     per_micro = (first["GPipe-8"] - first["GPipe-4"]) / 4
     assert per_micro > 0 and first["GPipe-4"] - first["1F1B-4"] == pytest.approx(2 * per_micro, rel=0.05), first
+
+
+@pytest.mark.parametrize("option", ["loss_parallel", "sequence_parallel"])
+def test_loss_and_sequence_parallelism_are_refused_under_a_pipeline(option):
+    import torch
+
+    from zerodp.config import load_config
+    from zerodp.parallel import GridError, grid_for
+    cfg = load_config({"train_micro_batch_size_per_gpu": 1, "tensor_parallel": {"autotp_size": 2, option: True}})
+    with pytest.raises(GridError, match=f"tensor_parallel.{option}: not implemented under a pipeline"):
+        grid_for(torch.nn.Linear(2, 2), cfg, pp=2)

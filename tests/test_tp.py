@@ -192,18 +192,75 @@ def test_activation_checkpointing_with_tp(pool):
     assert_matches(results, reference("llama", 2, STEPS, GAS, CLIP, "SGD"), atol=1e-6)
 
 
-def test_tensor_group_bytes_are_the_collectives_torch_ran(pool):
-    """What comm_stats counts for the tensor group is what DTensor issued (torch's CommDebugMode):
-    per block the attention and MLP output all-reduces and the two input-gradient all-reduces of
-    the column splits, the embedding's all-reduce, the output layer's all-gather and its input's
-    gradient all-reduce."""
+@pytest.mark.parametrize("loss_parallel,sequence_parallel", [(False, False), (True, False), (False, True),
+                                                             (True, True)])
+def test_tensor_group_bytes_are_the_collectives_torch_ran(pool, loss_parallel, sequence_parallel):
+    """What comm_stats counts for the tensor group is what DTensor issued (torch's CommDebugMode,
+    its functional collectives; the engine's own data-group collectives are c10d's), one step.
+    Per block: the attention and MLP outputs summed (all-reduce; with sequence parallelism a
+    reduce-scatter, and an all-gather of its gradient) and the column splits' input gradients
+    summed (all-reduce; with sequence parallelism an all-gather of the input and a reduce-scatter
+    of its gradient). Then the embedding likewise, the output layer's input likewise, its logits
+    gathered (or, with loss parallelism, three all-reduces of one number per row: max, sum and
+    target logit), with sequence parallelism the position embedding's gradient gathered and each
+    norm parameter's partial gradient summed."""
     from tp_tasks import count_tensor_collectives
-    results = pool.run(count_tensor_collectives, 4, 2)
-    layers = 2
+    results = pool.run(count_tensor_collectives, 4, 2, loss_parallel, sequence_parallel)
+    layers, norms = 2, 2 * 2 + 1
+    want = {"all_reduce": (2 * norms if sequence_parallel else 2 + 4 * layers) + (3 if loss_parallel else 0),
+            "all_gather_into_tensor": (4 * layers + 3 if sequence_parallel else 0) + (0 if loss_parallel else 1),
+            "reduce_scatter_tensor": 4 * layers + 2 if sequence_parallel else 0}
     for r in results:
-        assert r["debug_counts"].get("all_reduce", 0) == 2 + 4 * layers, r["debug_counts"]
-        assert r["debug_counts"].get("all_gather_into_tensor", 0) == 1, r["debug_counts"]
-        assert r["engine"]["calls"] == r["debug_counts"]["all_reduce"] + 1 + 1  # + the batch check
+        got = {k: r["debug_counts"].get(k, 0) for k in want}
+        assert got == want, r["debug_counts"]
+        assert r["engine"]["calls"] == sum(got.values()) + 1  # + the batch check
+    # bytes as the layout implies them (fp32; n = 2 ranks: an all-reduce moves 2 (n-1)/n of its
+    # tensor, an all-gather or reduce-scatter (n-1)/n of the whole one)
+    from tp_tasks import MICRO, SEQ, VOCAB
+    act, f = MICRO * SEQ * 32 * 4, 1 / 2
+    moved = 2 * act * f  # per activation summed by an all-reduce
+    want_bytes = {
+        "all_reduce": ((2 + 4 * layers) * moved if not sequence_parallel else 2 * norms * 2 * 32 * 4 * f)
+        + (3 * 2 * MICRO * SEQ * 4 * f if loss_parallel else 0),
+        "reduce_scatter": (4 * layers + 2) * act * f if sequence_parallel else 0,
+        "all_gather": ((4 * layers + 2) * act * f + SEQ * 32 * 4 * f if sequence_parallel else 0)
+        + (0 if loss_parallel else MICRO * SEQ * VOCAB * 4 * f)}
+    for r in results:
+        assert {k: r["engine"][k] for k in want_bytes} == pytest.approx(want_bytes), r["engine"]
+
+
+@pytest.mark.parametrize("model_name,stage", [("gpt", 1), ("gpt", 3), ("llama_labels", 2)])
+def test_loss_parallel_cross_entropy_on_split_logits(pool, model_name, stage):
+    """``tensor_parallel.loss_parallel``: the logits stay split over the vocabulary and the model's
+    own cross entropy runs on the slices (torch's loss_parallel, in the engine's forward and
+    backward): the example GPT (its loss from ``targets``) and a Llama (transformers' loss from
+    ``labels``), against one process."""
+    results = pool.run(train, 4, model_name, stage, 2, STEPS, gas=GAS, clip=CLIP, optimizer_name="SGD",
+                       loss_parallel=True)
+    assert_matches(results, reference(model_name, 2, STEPS, GAS, CLIP, "SGD"), atol=1e-6)
+    assert all(r["comm"]["tensor"]["all_gather"] == 0 for r in results)  # the logits were not gathered
+
+
+@pytest.mark.parametrize("stage,loss_parallel,plain_loop", [(0, False, False), (1, False, False), (2, True, False),
+                                                            (3, False, False), (3, True, True)])
+def test_sequence_parallel(pool, stage, loss_parallel, plain_loop):
+    """``tensor_parallel.sequence_parallel``: norms, residuals and dropout on sequence slices, the
+    column splits gathering their input and the row splits reduce-scattering their output; with the
+    norms' gradients summed over the slices. Every stage, with loss parallelism, in the plain loop."""
+    results = pool.run(train, 4, "gpt", stage, 2, STEPS, gas=GAS, clip=CLIP, optimizer_name="SGD",
+                       loss_parallel=loss_parallel, sequence_parallel=True, plain_loop=plain_loop)
+    assert_matches(results, reference("gpt", 2, STEPS, GAS, CLIP, "SGD"), atol=1e-6)
+    assert all(r["comm"]["tensor"]["reduce_scatter"] > 0 for r in results)  # the sequence was split
+
+
+@pytest.mark.parametrize("case,message", [
+    ("sequence_llama", "tensor_parallel.sequence_parallel: zerodp splits the sequence of the example GPT"),
+    ("loss_without_output_layer", "tensor_parallel.loss_parallel: the model's plan has no output layer whose "
+                                  "logits are gathered")])
+def test_loss_and_sequence_parallelism_refused_where_they_do_not_apply(pool, case, message):
+    from tp_tasks import refused_option
+    errors = pool.run(refused_option, 4, case)
+    assert all(e.startswith(message) for e in errors), errors
 
 
 def test_world_8_tp2_with_hybrid_shard2_x_replica2(tmp_path):

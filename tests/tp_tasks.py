@@ -8,6 +8,7 @@ slices are gathered over the tensor-parallel group and put in place by their ``T
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -47,7 +48,7 @@ def build_gpt2(seed: int = 0):
     return GPT2LMHeadModel(cfg)
 
 
-MODELS = {"gpt": build_gpt, "llama": build_llama, "gpt2": build_gpt2}
+MODELS = {"gpt": build_gpt, "llama": build_llama, "gpt2": build_gpt2, "llama_labels": build_llama}
 
 
 def batch(step: int, dp_rank: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,24 +59,30 @@ def batch(step: int, dp_rank: int, micro: int) -> tuple[torch.Tensor, torch.Tens
 
 def loss_of(model_name: str, out, y) -> torch.Tensor:
     if model_name == "gpt":
-        return out[1]  # the transformers models: the loss from the logits
+        return out[1]  # the transformers models: the loss from the logits, or their own from labels
+    if model_name == "llama_labels":
+        return out.loss
     return F.cross_entropy(out.logits.float().reshape(-1, VOCAB), y.reshape(-1))
 
 
 def forward(model_name: str, module, x, y):
     if model_name == "gpt":
         return module(x, y)
+    if model_name == "llama_labels":
+        return module(input_ids=x, labels=x)
     return module(input_ids=x)
 
 
 def config(stage: int, tp: int, dp: int, gas: int = 1, clip: float = 0.0, dtype: str = "fp32",
-           hybrid: int = 0, offload: bool = False, optimizer: str = "AdamW") -> dict:
+           hybrid: int = 0, offload: bool = False, optimizer: str = "AdamW", loss_parallel: bool = False,
+           sequence_parallel: bool = False) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
            "gradient_clipping": clip, "steps_per_print": 10**6,
            "optimizer": {"type": optimizer, "params": dict(OPTIMIZERS[optimizer][1])},
            "zero_optimization": {"stage": stage, "reduce_bucket_size": 4000,
                                  "stage3_param_persistence_threshold": 100},
-           "tensor_parallel": {"autotp_size": tp}}
+           "tensor_parallel": {"autotp_size": tp, "loss_parallel": loss_parallel,
+                               "sequence_parallel": sequence_parallel}}
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     if hybrid:
@@ -130,14 +137,15 @@ def whole_params(engine) -> dict[str, torch.Tensor]:
 
 def train(group, model_name: str, stage: int, tp: int, steps: int, gas: int = 1, clip: float = 0.0,
           dtype: str = "fp32", hybrid: int = 0, offload: bool = False, plain_loop: bool = False,
-          optimizer_name: str = "AdamW", grid_from: str = "config") -> dict:
+          optimizer_name: str = "AdamW", grid_from: str = "config", loss_parallel: bool = False,
+          sequence_parallel: bool = False) -> dict:
     """Worker task on every rank of the pool's world: train on the grid, return whole parameters,
     the gradient norms, the grid's facts, memory and traffic. ``grid_from``: the config's
     ``autotp_size``, a ``DeviceMesh`` passed as ``mesh_param`` (``"mesh"``), or ``tp_model_init``."""
     world = dist.get_world_size()
     dp = world // tp
     model = MODELS[model_name]()
-    cfg = config(stage, tp, dp, gas, clip, dtype, hybrid, offload, optimizer_name)
+    cfg = config(stage, tp, dp, gas, clip, dtype, hybrid, offload, optimizer_name, loss_parallel, sequence_parallel)
     kwargs = {}
     if grid_from == "mesh":
         from torch.distributed.device_mesh import init_device_mesh
@@ -152,8 +160,10 @@ def train(group, model_name: str, stage: int, tp: int, steps: int, gas: int = 1,
     for step in range(steps):
         for m in range(gas):
             x, y = batch(step, dp_rank, m)
-            if plain_loop:
-                (loss_of(model_name, forward(model_name, engine, x, y), y) / gas).backward()
+            if plain_loop:  # split logits: the backward in torch's loss_parallel(), as torch asks
+                from torch.distributed.tensor.parallel import loss_parallel as lp
+                with lp() if loss_parallel else contextlib.nullcontext():
+                    (loss_of(model_name, forward(model_name, engine, x, y), y) / gas).backward()
             else:
                 loss = loss_of(model_name, forward(model_name, engine, x, y), y)
                 engine.backward(loss)
@@ -370,17 +380,18 @@ def llama_checkpointed(group, stage: int, tp: int, steps: int) -> dict:
     return out
 
 
-def count_tensor_collectives(group, tp: int) -> dict:
+def count_tensor_collectives(group, tp: int, loss_parallel: bool = False, sequence_parallel: bool = False) -> dict:
     """One forward and backward of the example GPT on a TP grid under torch's ``CommDebugMode``:
     the collectives DTensor really issued, beside what the engine counted for the tensor group."""
     from torch.distributed.tensor.debug import CommDebugMode
     model = build_gpt()
-    engine, _, _, _ = zerodp.initialize(model=model, config=config(1, tp, dist.get_world_size() // tp))
+    engine, _, _, _ = zerodp.initialize(model=model, config=config(
+        1, tp, dist.get_world_size() // tp, loss_parallel=loss_parallel, sequence_parallel=sequence_parallel))
     x, y = batch(0, engine.dp_rank, 0)
     mode = CommDebugMode()
     with mode:
         engine.backward(engine(x, y)[1])
-    engine.step()
+        engine.step()  # the step too: sequence-parallel norms' partial gradients are summed when read
     counts = {str(k).split(".")[-1]: v for k, v in mode.get_comm_counts().items()}
     out = {"debug_counts": counts, "engine": engine.comm_stats(by_group=True)["tensor"]}
     engine.destroy()
@@ -392,6 +403,21 @@ def refused_split(group, n_head: int, tp: int) -> str:
     model = build_gpt(n_head=n_head)
     try:
         zerodp.initialize(model=model, config=config(1, tp, dist.get_world_size() // tp))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def refused_option(group, case: str) -> str:
+    """What initialize says of loss or sequence parallelism where zerodp cannot apply it."""
+    world = dist.get_world_size()
+    if case == "sequence_llama":
+        model, cfg = build_llama(), config(1, 2, world // 2, sequence_parallel=True)
+    else:  # "loss_without_output_layer": a model whose plan gathers no logits
+        model, cfg = PlainMLP(), config(1, 2, world // 2, loss_parallel=True)
+        cfg["tensor_parallel"]["partition_config"] = PARTITION_CONFIG
+    try:
+        zerodp.initialize(model=model, config=cfg)
     except ValueError as e:
         return str(e)
     return "no error"

@@ -259,6 +259,15 @@ class TensorParallelConfig(_Section):
         None, description='Which layers are split: {"layer_specs": [{"patterns": [regex over parameter names], '
                           '"partition_type": "column" | "row" | "skip", "shape": [k, -1] for a weight fused from '
                           'k blocks}]}, as DeepSpeed\'s AutoTP reads it.')
+    loss_parallel: bool = Field(
+        False, description="Keep the output layer's logits split over the vocabulary (a DTensor) and compute the "
+                           "model's cross entropy on the slices (torch's loss_parallel) instead of gathering the "
+                           "logits whole; the engine's forward and backward run inside loss_parallel() "
+                           "(docs/parallel.md).")
+    sequence_parallel: bool = Field(
+        False, description="Split the activations between the tensor-parallel layers (norms, dropout, residuals) "
+                           "along the sequence (Megatron's sequence parallelism, torch's SequenceParallel); the "
+                           "example GPT (docs/parallel.md).")
     dtype: Any = Field(None, description="Accepted for compatibility: the dtype comes from the bf16/fp16 blocks.")
     tp_overlap_comm: bool = Field(False, description="Accepted for compatibility (no effect).")
 

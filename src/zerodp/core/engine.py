@@ -315,12 +315,19 @@ class ZeroEngine(EngineAPI, nn.Module):
         """The model's forward on inputs cast to the compute dtype; at stage 3 the model's own
         hooks gather its units (``gather.install_root_hooks``), so a direct call of the model
         gathers the same way."""
+        tp = self.tensor_parallel
         with self._timed("forward"):
-            if self.tensor_parallel is not None:
-                self.tensor_parallel.check_inputs(args, kwargs)
+            if tp is not None:
+                tp.check_inputs(args, kwargs)
             args, kwargs = self.precision.cast_inputs((args, kwargs))
-            with _explain_released_parameters(self.policy.shard_parameters):
-                return self.module(*args, **kwargs)
+            with _explain_released_parameters(self.policy.shard_parameters), self._tp_region():
+                out = self.module(*args, **kwargs)
+            return out if tp is None else tp.outputs(out)
+
+    def _tp_region(self):
+        """Where forward and backward run under tensor parallelism (torch's loss_parallel() when the
+        logits stay split; ``parallel.TensorParallel.region``)."""
+        return contextlib.nullcontext() if self.tensor_parallel is None else self.tensor_parallel.region()
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backpropagate ``loss`` (scaled by 1/gradient_accumulation_steps unless
@@ -334,7 +341,8 @@ class ZeroEngine(EngineAPI, nn.Module):
         scaled = loss / self._gas if self._gas > 1 and scale_wrt_gas else loss
         if self.loss_scaler is not None:  # in fp32, so a 16-bit loss times the scale cannot overflow
             scaled = scaled.float() * self.loss_scaler.scale
-        with self._timed("backward"), _explain_released_parameters(self.policy.shard_parameters):
+        with (self._timed("backward"), _explain_released_parameters(self.policy.shard_parameters),
+              self._tp_region()):
             self._in_engine_backward = True
             try:
                 scaled.backward(retain_graph=retain_graph)

@@ -14,6 +14,7 @@ What ``zerodp.initialize`` and the engine use of it:
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Optional
 
 import torch
@@ -21,7 +22,7 @@ from torch import nn
 
 from ..core.collectives import Comm, CommCounter
 from .grid import Grid, GridError, build_grid, grid_from_mesh, grid_from_mpu
-from .plans import check_heads, localize, plan_for
+from .plans import check_heads, localize, plan_for, with_loss_parallel, with_sequence_parallel
 from .tensor import Split, TensorParallelError, TPSlice, apply_plan, model_slices
 
 __all__ = ["Grid", "GridError", "TensorParallel", "TensorParallelError", "TPSlice", "Split", "grid_for",
@@ -50,6 +51,14 @@ def _already_split(model: nn.Module) -> bool:
     return bool(model_slices(model)) or any(_is_dtensor(p) for p in model.parameters())
 
 
+def _has(model: nn.Module, option: str) -> bool:
+    """Whether ``model`` was split with ``loss_parallel`` or ``sequence_parallel``."""
+    splits = [s for m in model.modules() if (s := getattr(m, SPLIT_ATTR, None)) is not None]
+    if option == "loss_parallel":
+        return any(s.kind == "loss_output" for s in splits)
+    return any(s.sequence for s in splits)
+
+
 def grid_for(model: nn.Module, config, *, mpu: Any = None, mesh_param: Any = None,
              process_group: Any = None, pp: int = 1) -> Grid:
     """The process grid of a run (``pp`` pipeline stages: a ``PipelineModule``'s), and ``model``
@@ -59,6 +68,10 @@ def grid_for(model: nn.Module, config, *, mpu: Any = None, mesh_param: Any = Non
     if stages != "auto" and stages != pp:
         raise GridError(f"pipeline.stages: the config says {stages}, but the model has {pp} pipeline stages"
                         + ("" if pp > 1 else " (a model that is not a zerodp.pipe.PipelineModule has one)"))
+    wanted = [k for k in ("loss_parallel", "sequence_parallel") if getattr(tpc, k)]
+    if wanted and pp > 1:
+        raise GridError(f"tensor_parallel.{wanted[0]}: not implemented under a pipeline (the schedule runs the "
+                        "loss and its backward); leave it off with pipeline stages")
     shard = hybrid_size(config)
     given = [n for n, v in (("mpu", mpu), ("mesh_param", mesh_param), ("process_group", process_group))
              if v is not None]
@@ -80,16 +93,27 @@ def grid_for(model: nn.Module, config, *, mpu: Any = None, mesh_param: Any = Non
     if grid.pipe.size != pp:
         raise GridError(f"the grid has {grid.pipe.size} pipeline stages, the model {pp}")
     if grid.tp_size > 1 and grid.source != "mpu" and not _already_split(model):
-        tensor_parallelize(model, grid, tpc.partition_config)
+        tensor_parallelize(model, grid, tpc.partition_config, loss_parallel=tpc.loss_parallel,
+                           sequence_parallel=tpc.sequence_parallel)
+    elif grid.tp_size > 1 and (missing := [k for k in wanted if not _has(model, k)]):
+        raise GridError(f"tensor_parallel.{missing[0]}: zerodp applies it when it splits the model; this model was "
+                        f"split before initialize (by its script, an mpu or tp_model_init without the option)")
     return grid
 
 
-def tensor_parallelize(model: nn.Module, grid: Grid, partition_config: Optional[dict] = None) -> dict[str, Split]:
-    """Split ``model`` in place over ``grid``'s tensor axis by its plan (``plans.py``); returns the
-    plan, module name -> split."""
+def tensor_parallelize(model: nn.Module, grid: Grid, partition_config: Optional[dict] = None, *,
+                       loss_parallel: bool = False, sequence_parallel: bool = False) -> dict[str, Split]:
+    """Split ``model`` in place over ``grid``'s tensor axis by its plan (``plans.py``), with the
+    logits left split for the loss and the activations split along the sequence where asked;
+    returns the plan, module name -> split."""
     tp = grid.tp_size
     check_heads(model, tp)
-    plan = apply_plan(model, plan_for(model, partition_config), grid.tp_mesh)
+    plan = plan_for(model, partition_config)
+    if sequence_parallel:
+        plan = with_sequence_parallel(model, plan, partition_config)
+    if loss_parallel:
+        plan = with_loss_parallel(plan)
+    plan = apply_plan(model, plan, grid.tp_mesh)
     modules = dict(model.named_modules())
     for name, split in plan.items():
         setattr(modules[name], SPLIT_ATTR, split)
@@ -107,12 +131,11 @@ def tp_model_init(model: nn.Module, tp_size: int, dtype: Optional[torch.dtype] =
     init_distributed()
     if dtype is not None:
         model.to(dtype)
-    partition_config = None
-    if isinstance(config, dict):
-        partition_config = (config.get("tensor_parallel") or {}).get("partition_config")
+    tpc = (config.get("tensor_parallel") or {}) if isinstance(config, dict) else {}
     grid = build_grid(tp_size=tp_size, source="config")
     if tp_size > 1:
-        tensor_parallelize(model, grid, partition_config)
+        tensor_parallelize(model, grid, tpc.get("partition_config"), loss_parallel=bool(tpc.get("loss_parallel")),
+                           sequence_parallel=bool(tpc.get("sequence_parallel")))
     else:
         setattr(model, GRID_ATTR, grid)
     return model
@@ -126,6 +149,18 @@ class TensorParallel:
         self.comm: Comm = grid.tensor.comm(counter)
         self.hooks = [m.register_forward_hook(_count_hook(self.comm, split))
                       for m in model.modules() if (split := getattr(m, SPLIT_ATTR, None)) is not None]
+        self.loss_parallel = _has(model, "loss_parallel")
+
+    def region(self):
+        """The context the engine's forward and backward run in: torch's ``loss_parallel()`` when the
+        logits stay split over the vocabulary (the cross entropy on the slices, forward and
+        backward), else nothing."""
+        return _loss_parallel_region() if self.loss_parallel else contextlib.nullcontext()
+
+    def outputs(self, out: Any) -> Any:
+        """The forward's outputs with every replicated ``DTensor`` (the loss computed on split logits)
+        made a plain tensor; split logits stay ``DTensor`` s (``.full_tensor()`` gives them whole)."""
+        return _local_outputs(out) if self.loss_parallel else out
 
     def check_inputs(self, args: Any, kwargs: Any) -> None:
         """Every tensor-parallel rank must run the same batch: each rank's inputs are summed into a
@@ -158,9 +193,53 @@ class TensorParallel:
         self.hooks = []
 
 
+def _loss_ops_on() -> bool:
+    """Whether torch's loss-parallel operators are on (a ``loss_parallel()`` around this call)."""
+    try:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor.parallel.loss import customized_loss_ops
+        return all(op in DTensor._op_dispatcher._custom_op_handlers for op in customized_loss_ops)
+    except (ImportError, AttributeError):  # pragma: no cover - another torch's layout
+        return False
+
+
+@contextlib.contextmanager
+def _loss_parallel_region():
+    """torch's ``loss_parallel()``, left as it is when already on (torch's context switches the
+    operators off at its exit, so nesting it would switch off a user's around the backward) and
+    switched off also when the body raises (torch's does not)."""
+    if _loss_ops_on():
+        yield
+        return
+    from torch.distributed.tensor.parallel import loss_parallel
+    context = loss_parallel()
+    context.__enter__()
+    try:
+        yield
+    finally:
+        context.__exit__(None, None, None)
+
+
+def _local_outputs(x: Any) -> Any:
+    from .tensor import _is_dtensor
+    if _is_dtensor(x):
+        return x.to_local() if all(p.is_replicate() for p in x.placements) else x
+    if isinstance(x, dict):  # transformers' ModelOutput too: its items set in place
+        for k in list(x.keys()):
+            x[k] = _local_outputs(x[k])
+        return x
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return type(x)(*(_local_outputs(v) for v in x))
+    if isinstance(x, (list, tuple)):
+        return type(x)(_local_outputs(v) for v in x)
+    return x
+
+
 def _count_hook(comm: Comm, split: Split):
     """A forward hook adding the collectives torch's style runs for ``split`` (forward, and the
-    backward that follows when the input needs a gradient) to ``comm``'s counter."""
+    backward that follows when the input needs a gradient) to ``comm``'s counter. Bytes as the
+    ledger counts them: an all-reduce 2 (n-1)/n of the tensor, an all-gather or reduce-scatter
+    (n-1)/n of the whole tensor."""
     n = comm.world_size
     factor = (n - 1) / n
 
@@ -172,15 +251,41 @@ def _count_hook(comm: Comm, split: Split):
             t = t.to_local()
         return t.numel() * t.element_size()
 
+    def add(op: str, size: float) -> None:
+        comm.counter.add(op, (2 if op == "all_reduce" else 1) * size * factor, comm.label)
+
     def hook(module, args, output):
         if n == 1:
             return
         x = args[0] if args else None
-        if split.kind in ("row", "vocab"):  # partial outputs summed: an all-reduce
-            comm.counter.add("all_reduce", 2 * nbytes(output) * factor, comm.label)
-        if split.kind == "column_gather":  # each rank's slice of the output gathered
-            comm.counter.add("all_gather", nbytes(output) * factor, comm.label)
-        backward = torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.requires_grad
-        if backward and split.kind in ("column", "column_gather"):  # the input's gradient summed
-            comm.counter.add("all_reduce", 2 * nbytes(x) * factor, comm.label)
+        grad = torch.is_grad_enabled()
+        x_grad = grad and isinstance(x, torch.Tensor) and x.requires_grad
+        out_grad = grad and isinstance(output, torch.Tensor) and output.requires_grad
+        if split.kind in ("row", "vocab"):
+            if split.sequence:  # partial outputs reduce-scattered onto the sequence slices; gathered back
+                add("reduce_scatter", nbytes(output) * n)
+                if out_grad:
+                    add("all_gather", nbytes(output) * n)
+            else:  # partial outputs summed: an all-reduce (its backward moves nothing)
+                add("all_reduce", nbytes(output))
+        elif split.kind in Split.COLUMN:
+            # x: the input as the style made it, whole on every rank (gathered from the sequence
+            # slices with sequence parallelism)
+            if split.sequence:
+                add("all_gather", nbytes(x))
+            if split.kind == "column_gather":  # each rank's slice of the output gathered
+                add("all_gather", nbytes(output))
+            if split.kind == "loss_output" and grad:  # the cross entropy on the slices: max, sum, target
+                local = output.to_local()
+                rows = local.numel() // max(1, local.shape[-1])
+                for _ in range(3):
+                    add("all_reduce", rows * 4)
+            if x_grad:  # the input's gradient summed (onto the sequence slices)
+                add("reduce_scatter" if split.sequence else "all_reduce", nbytes(x))
+        elif split.kind == "sequence_norm" and grad:  # each parameter's partial gradient summed
+            for p in module.parameters(recurse=False):
+                if p.requires_grad:
+                    add("all_reduce", nbytes(p))
+        elif split.kind == "sequence_positions" and out_grad:  # the output's gradient gathered whole
+            add("all_gather", nbytes(output) * n)
     return hook

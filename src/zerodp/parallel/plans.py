@@ -16,6 +16,7 @@ After the split, :func:`localize` adjusts what a model's forward computes from w
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from typing import Any, Optional
 
 from torch import nn
@@ -55,6 +56,16 @@ GPT2_PLAN = {
     "h.*.attn.c_proj": Split("row"),
     "h.*.mlp.c_fc": Split("column"),
     "h.*.mlp.c_proj": Split("row"),
+}
+
+
+#: Sequence parallelism in the example GPT: the norms run on sequence slices, the position
+#: embedding's output is cut to them (the splits above gather and reduce-scatter around them).
+GPT_SEQUENCE_PLAN = {
+    "wpe": Split("sequence_positions"),
+    "blocks.*.ln_1": Split("sequence_norm"),
+    "blocks.*.ln_2": Split("sequence_norm"),
+    "ln_f": Split("sequence_norm"),
 }
 
 
@@ -156,6 +167,29 @@ def plan_for(model: nn.Module, partition_config: Optional[dict] = None) -> dict[
         "transformers models (their own tp_plan, or GPT-2's); for another model give "
         '"tensor_parallel": {"partition_config": {"layer_specs": [{"patterns": [...], "partition_type": '
         '"column" | "row"}]}} in the config')
+
+
+def with_loss_parallel(plan: dict[str, Split]) -> dict[str, Split]:
+    """``plan`` with its gathered output layer (``column_gather``) keeping its logits split over the
+    vocabulary (``loss_output``), for torch's loss-parallel cross entropy."""
+    out = {k: (replace(v, kind="loss_output") if v.kind == "column_gather" else v) for k, v in plan.items()}
+    if out == plan:
+        raise TensorParallelError(
+            "tensor_parallel.loss_parallel: the model's plan has no output layer whose logits are gathered "
+            f"('column_gather'; the plan: {describe(plan)}), so there are no split logits for the loss")
+    return out
+
+
+def with_sequence_parallel(model: nn.Module, plan: dict[str, Split], partition_config: Optional[dict]) -> dict:
+    """``plan`` with the activations between the split layers split along the sequence."""
+    if partition_config or not _is_example_gpt(model):
+        raise TensorParallelError(
+            "tensor_parallel.sequence_parallel: zerodp splits the sequence of the example GPT under its own plan; "
+            f"{type(model).__name__}" + (" with a partition_config" if partition_config else "")
+            + " keeps its activations whole on every tensor-parallel rank (leave sequence_parallel off)")
+    out = {k: replace(v, sequence=True) for k, v in plan.items()}
+    out.update(GPT_SEQUENCE_PLAN)
+    return out
 
 
 def check_heads(model: nn.Module, tp: int) -> None:

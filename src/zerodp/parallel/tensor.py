@@ -13,6 +13,18 @@ A *plan* maps module names of the model to a :class:`Split`:
   holds and the results are summed (``RowwiseParallel`` on an embedding).
 * ``column_gather``: a column split whose output is gathered whole (an output layer whose logits
   the loss needs whole).
+* ``loss_output``: a column split of the output layer whose logits stay split over the vocabulary,
+  as a ``DTensor`` (``Shard(-1)``), for torch's loss-parallel cross entropy.
+
+With ``sequence=True`` the activations outside the split layers are split along the sequence
+(dimension 1; Megatron's sequence parallelism): a column split gathers its input from the
+sequence slices (all-gather) and a row or vocab split reduce-scatters its output onto them.
+Between them:
+
+* ``sequence_norm``: a norm run on this rank's sequence slice (torch's ``SequenceParallel``; its
+  parameters replicated ``DTensor`` s whose gradients are partial sums over the slices);
+* ``sequence_positions``: a replicated module (a position embedding) whose output is cut to this
+  rank's sequence slice (its gradient gathered back in backward).
 
 ``transformers``' ``Conv1D`` (GPT-2's layers, weight stored transposed) takes the same splits.
 Norms, biases of row splits and everything outside the plan stay replicated (the same values
@@ -126,12 +138,16 @@ def model_slices(model: nn.Module, tp_size: int = 1, tp_rank: int = 0) -> dict[i
 class Split:
     """How one module is split (see the module docstring)."""
 
-    kind: str  # "column", "row", "vocab", "column_gather"
+    kind: str  # one of KINDS
     blocks: int = 1
     whole_input: bool = False
     """A row split whose input arrives whole on every rank (each rank takes its slice of it)."""
+    sequence: bool = False
+    """The activations outside this module are split along the sequence (sequence parallelism)."""
 
-    KINDS = ("column", "row", "vocab", "column_gather")
+    KINDS = ("column", "row", "vocab", "column_gather", "loss_output", "sequence_norm", "sequence_positions")
+    COLUMN = ("column", "column_gather", "loss_output")
+    SEQUENCE = ("sequence_norm", "sequence_positions")
 
     def __post_init__(self) -> None:
         if self.kind not in self.KINDS:
@@ -146,6 +162,8 @@ def _is_conv1d(module: nn.Module) -> bool:
 def _param_splits(module: nn.Module, split: Split) -> dict[str, Optional[tuple[int, int]]]:
     """Parameter name -> (dim, blocks) of its split, or None where it stays replicated."""
     conv = _is_conv1d(module)
+    if split.kind in Split.SEQUENCE:
+        return {pname: None for pname, _ in module.named_parameters(recurse=False)}
     if isinstance(module, nn.Embedding):
         if split.kind != "vocab" and split.kind != "column":
             raise TensorParallelError(f"an Embedding takes the 'vocab' or 'column' split, not {split.kind!r}")
@@ -154,7 +172,7 @@ def _param_splits(module: nn.Module, split: Split) -> dict[str, Optional[tuple[i
         raise TensorParallelError(f"only Linear, Embedding and transformers' Conv1D can be split, not "
                                   f"{type(module).__name__}")
     out_dim, in_dim = (1, 0) if conv else (0, 1)
-    if split.kind in ("column", "column_gather"):
+    if split.kind in Split.COLUMN:
         return {"weight": (out_dim, split.blocks), "bias": (0, split.blocks)}
     if split.kind == "row":
         return {"weight": (in_dim, 1), "bias": None}
@@ -182,14 +200,30 @@ def _style(split: Split):
     out as torch does), with the parameters cut by :func:`_partition` so that fused blocks and
     ``Conv1D`` split too and every split parameter is marked with its :class:`TPSlice`."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
+    if split.kind == "sequence_norm":
+        style = _styles()[SequenceParallel]()
+        style.split = split
+        return style
+    if split.kind == "sequence_positions":
+        style = _styles()["positions"]()
+        style.split = split
+        return style
+    kwargs: dict = {}
     if split.kind in ("row", "vocab"):
-        whole = split.kind == "vocab" or split.whole_input
-        base, kwargs = RowwiseParallel, ({"input_layouts": Replicate()} if whole else {})
+        base = RowwiseParallel
+        if split.kind == "vocab" or split.whole_input:
+            kwargs["input_layouts"] = Replicate()
+        if split.sequence:
+            kwargs["output_layouts"] = Shard(1)
     else:
         base = ColwiseParallel
-        kwargs = {"output_layouts": Replicate() if split.kind == "column_gather" else Shard(-1)}
+        kwargs["output_layouts"] = Replicate() if split.kind == "column_gather" else Shard(-1)
+        if split.kind == "loss_output":
+            kwargs["use_local_output"] = False
+        if split.sequence:
+            kwargs["input_layouts"] = Shard(1)
     style = _styles()[base](**kwargs)
     style.split = split
     return style
@@ -205,7 +239,7 @@ def _styles() -> dict:
         from functools import partial
 
         from torch.distributed.tensor import Replicate, Shard, distribute_module
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
         def apply(self, module, device_mesh):
             if isinstance(self, RowwiseParallel):  # what torch's row style sets in its own _apply
@@ -218,7 +252,28 @@ def _styles() -> dict:
 
         for base in (ColwiseParallel, RowwiseParallel):
             _STYLE_CLASSES[base] = type(f"Zerodp{base.__name__}", (base,), {"_apply": apply})
+        _STYLE_CLASSES[SequenceParallel] = type("ZerodpSequenceParallel", (SequenceParallel,), {
+            "_replicate_module_fn": lambda self, name, mod, mesh: [
+                _replicate_param(mod, pname, mesh) for pname, _ in list(mod.named_parameters(recurse=False))]})
+        _STYLE_CLASSES["positions"] = _positions_style()
     return _STYLE_CLASSES
+
+
+def _positions_style():
+    """A style whose module stays whole and whose output (``(..., T, C)``) is cut to this rank's
+    slice of the sequence ``T``: a ``DTensor`` redistribution, so backward gathers the gradient."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel.style import ParallelStyle
+
+    def apply(self, module, device_mesh):
+        def cut(mod, args, out):
+            dim = out.dim() - 2
+            whole = DTensor.from_local(out, device_mesh, [Replicate()], run_check=False)
+            return whole.redistribute(device_mesh, [Shard(dim)]).to_local()
+        module.register_forward_hook(cut)
+        return module
+
+    return type("ZerodpSequencePositions", (ParallelStyle,), {"_apply": apply})
 
 
 def _shard_param(module: nn.Module, pname: str, dim: int, blocks: int, mesh) -> None:
@@ -346,7 +401,7 @@ def _retie(model: nn.Module, tied: list[list[tuple[str, str]]]) -> None:
             raise TensorParallelError(
                 "tied parameters " + ", ".join(f"{m}.{p}" for m, p in names) + " are split differently by "
                 "the plan; give the modules that share them the same split (an embedding tied to the output "
-                "layer: 'vocab' and 'column_gather' both split the vocabulary)")
+                "layer: 'vocab', 'column_gather' and 'loss_output' split the vocabulary)")
         first_m, first_p = split[0]
         first, tp = getattr(modules[first_m], first_p), slices[names.index(split[0])]
         for m, p in names:

@@ -82,6 +82,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="tensor parallelism: split each layer over N adjacent ranks (heads, MLP and "
                           "vocabulary; tensor_parallel.autotp_size), ZeRO sharding over the --nproc / N "
                           "data-parallel ranks, which see different batches (default: the config's, else 1)")
+    cfg.add_argument("--loss-parallel", action="store_true",
+                     help="with --tp: keep the logits split over the vocabulary and compute the cross entropy "
+                          "on the slices (tensor_parallel.loss_parallel)")
+    cfg.add_argument("--sequence-parallel", action="store_true",
+                     help="with --tp: norms, dropout and residuals on sequence slices "
+                          "(tensor_parallel.sequence_parallel)")
     cfg.add_argument("--config", metavar="PATH", default=None,
                      help="DeepSpeed-style JSON config; with --preset it is merged over the preset. "
                           "It must have an 'optimizer' block unless a preset supplies one")
@@ -229,6 +235,9 @@ def build_config(args: argparse.Namespace) -> Config:
     tp = getattr(args, "tp", None)
     if tp is not None:
         data["tensor_parallel"] = dict(data.get("tensor_parallel") or {}, autotp_size=tp)
+    for option in ("loss_parallel", "sequence_parallel"):
+        if getattr(args, option, False):
+            data["tensor_parallel"] = dict(data.get("tensor_parallel") or {}, **{option: True})
     nvme = getattr(args, "nvme_path", None)
     if nvme:
         zero = data["zero_optimization"] = dict(data.get("zero_optimization") or {})
