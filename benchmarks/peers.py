@@ -9,6 +9,7 @@
 * ``zero0`` .. ``zero3``           zerodp stages 0-3
 * ``zero3-tp2`` ``fsdp2-tp2``      tensor parallelism over pairs of ranks, with zerodp stage 3 or
                                    FSDP2 over the data-parallel ranks (a 2-D mesh)
+* ``zero3-tp2-sp``                 ``zero3-tp2`` with sequence and loss parallelism
 * ``zero1-pp2`` ``zero3-pp2`` ``zero1-pp2-tp2`` ``ds1-pp2``  pipeline parallelism (2 stages, 1F1B),
                                    zerodp's at stages 1 and 3 (and with TP 2), DeepSpeed's pipeline
                                    engine at ZeRO stage 1 (the most it allows)
@@ -93,6 +94,8 @@ SYSTEMS = [
     # each data-parallel rank trains on the micro-batches of the 2 ranks it stands for, so the
     # global batch, the losses and the norms are the data-parallel systems' at the same world size
     System("zero3-tp2", "zerodp", "zerodp stage 3 over DP N/2 x TP 2", ("zerodp",)),
+    System("zero3-tp2-sp", "zerodp", "zerodp stage 3 over DP N/2 x TP 2, with sequence and loss parallelism",
+           ("zerodp",)),
     System("fsdp2-tp2", "torch", "FSDP2 over DP N/2 x torch TP 2 (the same plan), reshard_after_forward=True",
            ("torch.distributed.fsdp", "torch.distributed.tensor.parallel", "zerodp")),
     # pipeline parallelism (2 stages, 1F1B, the GPT as a PipelineModule of layers: _pipeline_gpt.py);
@@ -214,6 +217,8 @@ class CollectiveCounter:
             "all_reduce": lambda a: 2 * nbytes(a["self"]) * fc_frac(a),
             "all_gather_tensor": lambda a: nbytes(a["self"]) * group_size(a["group"]) * fc_frac(a),
             "reduce_scatter_tensor": lambda a: nbytes(a["self"]) * fc_frac(a),
+            "all_gather_single": lambda a: nbytes(a["self"]) * group_size(a["group"]) * fc_frac(a),
+            "reduce_scatter_single": lambda a: nbytes(a["self"]) * fc_frac(a),
         }
         for name, cost in functional.items():
             original = getattr(funcol, name, None)
@@ -447,8 +452,9 @@ def _build(system: str, model, gpt, args, world: int) -> Trainer:
     if system.startswith("zero"):
         import zerodp
         stage, offload = int(system[4]), system[6:]
-        tp = TP if offload == "tp2" else 1
-        offload = "" if offload == "tp2" else offload
+        tp = TP if offload.startswith("tp2") else 1
+        split_sequence = offload == "tp2-sp"
+        offload = "" if offload.startswith("tp2") else offload
         config = {
             "train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
             "gradient_clipping": clip, "steps_per_print": 10**9,
@@ -456,7 +462,7 @@ def _build(system: str, model, gpt, args, world: int) -> Trainer:
                 "stage": stage, "overlap_comm": True, "reduce_bucket_size": bucket_elems,
                 "allgather_bucket_size": bucket_elems,
                 "stage3_prefetch_bucket_size": prefetch_elems, "stage3_max_reuse_distance": 0},
-            "tensor_parallel": {"autotp_size": tp},
+            "tensor_parallel": {"autotp_size": tp, "sequence_parallel": split_sequence, "loss_parallel": split_sequence},
         }
         # the peers' optimizer exactly (torch's default AdamW), not the fused one zerodp builds
         # from an "optimizer" config block, so the step times compare the engines alone; with

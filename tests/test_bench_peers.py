@@ -70,7 +70,7 @@ def test_missing_peer_says_how_to_install(monkeypatch):
 
 @pytest.mark.slow
 def test_peers_end_to_end_cheap(tmp_path):
-    systems = ["ddp", "ddp-zro", "fsdp2", "zero1", "zero3", "zero3-tp2", "fsdp2-tp2"]
+    systems = ["ddp", "ddp-zro", "fsdp2", "zero1", "zero3", "zero3-tp2", "zero3-tp2-sp", "fsdp2-tp2"]
     if importlib.util.find_spec("deepspeed") is not None:
         systems.append("ds2")
     md = tmp_path / "table.md"
