@@ -1,20 +1,26 @@
-"""Worker tasks for ``test_collectives.py``: ``Comm``'s reduce-scatter and all-gather in both of
-gloo's forms (the tensor form below ``GLOO_OWNER_MIN_BYTES`` per chunk, one operation per owner at
-and above it), checked against sums computed on every rank."""
+"""Worker tasks for ``test_collectives.py``: ``Comm``'s reduce-scatter and all-gather in each of
+gloo's forms (``ZERODP_GLOO_COLLECTIVES``: by chunk size, all-to-all, one operation per owner,
+the tensor form),
+checked against sums computed on every rank."""
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from zerodp.core.collectives import GLOO_OWNER_MIN_BYTES, Comm
+from zerodp.core.collectives import GLOO_FORMS_ENV, Comm
 
 
 def rank_values(rank: int, numel: int) -> torch.Tensor:
     return torch.arange(numel, dtype=torch.float32) * (rank + 1) + rank
 
 
-def both_forms(group, chunk_elements: int) -> dict:
-    comm = Comm(group)
+def each_form(group, chunk_elements: int, form: str) -> dict:
+    import os
+    os.environ[GLOO_FORMS_ENV] = form
+    try:
+        comm = Comm(group)
+    finally:
+        del os.environ[GLOO_FORMS_ENV]
     n, r = comm.world_size, comm.rank
     full = rank_values(r, chunk_elements * n)
     comm.reduce_scatter_sum(full)
@@ -26,4 +32,4 @@ def both_forms(group, chunk_elements: int) -> dict:
     ag_ok = all(torch.equal(gathered.chunk(n)[k], rank_values(k, chunk_elements)) for k in range(n))
     comm.counter.close_step()
     return {"reduce_scatter": rs_ok, "all_gather": ag_ok, "calls": comm.counter.last_calls.get("data", 0),
-            "owner_form": chunk_elements * 4 >= GLOO_OWNER_MIN_BYTES, "backend": dist.get_backend(group)}
+            "form": comm.form(full.chunk(n)[0]), "backend": dist.get_backend(group)}

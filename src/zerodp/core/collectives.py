@@ -4,16 +4,24 @@ It knows the backend and picks the form of each collective that is fast there; e
 reduce-scatter and all-gather is one collective (one work to wait for), at any group size:
 
 * NCCL: ``reduce_scatter_single`` / ``all_gather_single`` (the tensor forms), run in place.
-* gloo: its tensor forms move large buffers at about half the speed of per-owner operations
-  (measured on 2 CPU cores, 4 MiB chunks: all-gather 6.6 ms against 3.0 ms for a broadcast per
-  owner at 2 ranks, 22 against 14 at 4, 140 against 64 at 8; reduce-scatter 10.4 against 6.8 ms
-  for a reduce per owner at 2 ranks, 47 against 26 at 4, 229 against 138 at 8). Per-owner
-  operations are latency-bound on small buffers instead (64 KiB chunks: reduce-scatter 5.9 ms
-  against 13.6 at 4 ranks, 19.6 against 68 at 8). So a collective whose chunks are at least
-  ``GLOO_OWNER_MIN_BYTES`` is issued as N asynchronous operations, one per owner (a broadcast per
-  owner for an all-gather, a reduce per owner for a reduce-scatter), waited for together, and a
-  smaller one as the one tensor-form collective. (gloo's ``_coalescing_manager`` does not run
-  broadcasts and reduces: it would return without having moved anything.)
+* gloo: chunks under ``GLOO_OWNER_MIN_BYTES`` (1 MiB) per rank: one ``all_to_all_single``. A
+  reduce-scatter sends chunk ``i`` of the input to rank ``i`` and sums the ``N`` chunks it
+  receives; an all-gather sends ``N`` copies of this rank's chunk, one to each rank. Each moves a
+  ring's bytes and holds a transient buffer of the buffer's size. Larger chunks: one reduce or
+  broadcast per owner, N operations waited for together, in place.
+  Measured on 2 CPU cores (ms; reduce-scatter all-to-all / per owner / gloo's tensor form, then
+  all-gather likewise): 256 KiB chunks at 4 ranks 2.2 / 14.3 / 8.9, 2.9 / 3.2 / 4.3; at 8 ranks
+  7.1 / 71 / 27, 7.6 / 9.8 / 12.3; 4 MiB chunks at 4 ranks 21 / 31 / 46, 20 / 17 / 26; at 8 ranks
+  67 / 120 / 225, 62 / 57 / 123. The all-to-all's reduce-scatter wins at every size only while its
+  transient buffer is reused: freshly allocated for a 25 MiB bucket at 2 ranks, its page faults
+  make it 27.7 ms against 21.1 per owner (12.8 in a reused buffer), and the all-gather 23.7
+  against 8.3 (13.4). End to end at world size 2, one all-to-all per operation at every size cost
+  stage 2 about 4% and stage 3 about 6% of the step (docs/benchmarks.md), so large chunks keep
+  the per-owner form, and the number of collectives per step grows with N on gloo where chunks
+  are 1 MiB or more. ``ZERODP_GLOO_COLLECTIVES`` picks one form for every size (``all_to_all``:
+  one collective per operation at any N; ``per_owner``; ``tensor``) instead of ``auto``.
+  (gloo's ``_coalescing_manager`` does not run broadcasts and reduces: it returns without
+  having moved anything, so it cannot make per-owner operations one.)
 
 Reductions always use SUM; callers divide locally (AVG has had silent bugs on gloo).
 
@@ -30,6 +38,7 @@ over ``N`` ranks:
 """
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from typing import Any, Callable, Optional
 
@@ -42,9 +51,20 @@ COLLECTIVE_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "control")
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-#: gloo: a reduce-scatter or all-gather whose per-rank chunk is this large or larger is issued as one
-#: operation per owner (see above); a smaller one as the tensor form.
+#: gloo's forms of reduce-scatter and all-gather (see above), chosen by ``ZERODP_GLOO_COLLECTIVES``.
+GLOO_FORMS = ("auto", "all_to_all", "per_owner", "tensor")
+GLOO_FORMS_ENV = "ZERODP_GLOO_COLLECTIVES"
+#: gloo, ``auto``: a reduce-scatter or all-gather whose per-rank chunk is this large or larger runs as
+#: one operation per owner, a smaller one as one all-to-all.
 GLOO_OWNER_MIN_BYTES = 1 << 20
+
+
+def gloo_form() -> str:
+    """The form of gloo's reduce-scatters and all-gathers: ``ZERODP_GLOO_COLLECTIVES`` or ``auto``."""
+    form = os.environ.get(GLOO_FORMS_ENV, "auto")
+    if form not in GLOO_FORMS:
+        raise ValueError(f"{GLOO_FORMS_ENV}={form!r}: allowed: {', '.join(GLOO_FORMS)}")
+    return form
 
 
 class CommCounter:
@@ -127,6 +147,7 @@ class Comm:
             self.world_size, self.rank, self.backend = 1, 0, "none"
             self.global_ranks = [0]
         self.counter = counter if counter is not None else CommCounter()
+        self.gloo = gloo_form() if self.backend == "gloo" else "tensor"
 
     @classmethod
     def alone(cls, label: str = "data", counter: Optional[CommCounter] = None) -> "Comm":
@@ -137,17 +158,15 @@ class Comm:
         comm.world_size, comm.rank, comm.backend = 1, 0, "none"
         comm.global_ranks = [dist.get_rank() if dist.is_available() and dist.is_initialized() else 0]
         comm.counter = counter if counter is not None else CommCounter()
+        comm.gloo = "tensor"
         return comm
 
-    @property
-    def use_tensor_forms(self) -> bool:
-        return self.backend == "nccl"
-
-    def _one_collective(self, chunk: torch.Tensor) -> bool:
-        """Whether a reduce-scatter or all-gather of ``chunk``-sized pieces is issued as the one
-        tensor-form collective (always on NCCL; on gloo below ``GLOO_OWNER_MIN_BYTES``), rather than
-        as one operation per owner."""
-        return self.use_tensor_forms or chunk.numel() * chunk.element_size() < GLOO_OWNER_MIN_BYTES
+    def form(self, chunk: torch.Tensor) -> str:
+        """How a reduce-scatter or all-gather of ``chunk``-sized pieces runs: ``"tensor"`` on NCCL;
+        on gloo its form, ``auto`` resolved by the chunk's size."""
+        if self.gloo != "auto":
+            return self.gloo
+        return "per_owner" if chunk.numel() * chunk.element_size() >= GLOO_OWNER_MIN_BYTES else "all_to_all"
 
     # -- collectives -------------------------------------------------------------------
 
@@ -174,12 +193,22 @@ class Comm:
             return self._finish(Handle([], then), async_op)
         self.counter.add("reduce_scatter", full.numel() * full.element_size() * (n - 1) / n, self.label)
         chunks = full.chunk(n)
-        if self._one_collective(chunks[0]):
-            works = [_REDUCE_SCATTER(chunks[self.rank], full, op=dist.ReduceOp.SUM, group=self.group,
-                                     async_op=True)]
-        else:
+        mine = chunks[self.rank]
+        form = self.form(mine)
+        if form == "all_to_all":  # every rank's chunk `rank` arrives here, and is summed
+            received = torch.empty_like(full)
+            works = [dist.all_to_all_single(received, full, group=self.group, async_op=True)]
+
+            def add_up(after=then):
+                torch.sum(received.view(n, -1), dim=0, out=mine)
+                if after is not None:
+                    after()
+            then = add_up
+        elif form == "per_owner":
             works = [dist.reduce(c, dst=self.global_ranks[i], op=dist.ReduceOp.SUM,
                                  group=self.group, async_op=True) for i, c in enumerate(chunks)]
+        else:
+            works = [_REDUCE_SCATTER(mine, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True)]
         return self._finish(Handle(works, then), async_op)
 
     def all_gather(self, full: torch.Tensor, async_op: bool = False,
@@ -194,11 +223,20 @@ class Comm:
             return self._finish(Handle([], then), async_op)
         self.counter.add("all_gather", full.numel() * full.element_size() * (n - 1) / n, self.label)
         chunks = full.chunk(n)
-        if self._one_collective(chunks[0]):
-            works = [_ALL_GATHER(full, chunks[self.rank], group=self.group, async_op=True)]
-        else:
+        form = self.form(chunks[0])
+        if form == "all_to_all":  # this rank's chunk to every rank, theirs into their places
+            copies = chunks[self.rank].repeat(n)
+            works = [dist.all_to_all_single(full, copies, group=self.group, async_op=True)]
+
+            def release(after=then, copies=copies):  # the copies live until the work is done
+                if after is not None:
+                    after()
+            then = release
+        elif form == "per_owner":
             works = [dist.broadcast(c, src=self.global_ranks[i], group=self.group, async_op=True)
                      for i, c in enumerate(chunks)]
+        else:
+            works = [_ALL_GATHER(full, chunks[self.rank], group=self.group, async_op=True)]
         return self._finish(Handle(works, then), async_op)
 
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
