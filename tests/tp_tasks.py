@@ -289,18 +289,22 @@ class MegatronMLP(torch.nn.Module):
         return F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
 
 
-def megatron_reference(dp: int, steps: int, clip: float) -> dict:
-    model = MegatronMLP()
+def sgd_reference(model: torch.nn.Module, dp: int, steps: int, clip: float) -> dict:
+    """One process: ``model(x, y)`` (its loss) trained with SGD on the first micro-batch of ``dp``
+    data-parallel ranks per step, clipped to ``clip``; its parameters and the norm of each step."""
     cls, hyper = OPTIMIZERS["SGD"]
     opt = cls(model.parameters(), **hyper)
     norms = []
     for step in range(steps):
         opt.zero_grad()
-        losses = [model(*batch(step, r, 0)) for r in range(dp)]
-        (sum(losses) / dp).backward()
+        (sum(model(*batch(step, r, 0)) for r in range(dp)) / dp).backward()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
         opt.step()
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "norms": norms}
+
+
+def megatron_reference(dp: int, steps: int, clip: float) -> dict:
+    return sgd_reference(MegatronMLP(), dp, steps, clip)
 
 
 def megatron_train(group, stage: int, tp: int, steps: int, clip: float) -> dict:
@@ -460,13 +464,4 @@ def partition_config_train(group, stage: int, tp: int, steps: int) -> dict:
 
 
 def partition_config_reference(dp: int, steps: int) -> dict:
-    model = PlainMLP()
-    cls, hyper = OPTIMIZERS["SGD"]
-    opt = cls(model.parameters(), **hyper)
-    norms = []
-    for step in range(steps):
-        opt.zero_grad()
-        (sum(model(*batch(step, r, 0)) for r in range(dp)) / dp).backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item())
-        opt.step()
-    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "norms": norms}
+    return sgd_reference(PlainMLP(), dp, steps, 0.5)

@@ -204,7 +204,7 @@ def consolidated_16bit_state_dict(view: CheckpointView, exclude_frozen_parameter
     in the module's state-dict order, on rank 0; an empty dict on the other ranks. Every rank
     must call it. Under a pipeline each stage's first rank puts its stage's part together and
     rank 0 receives them in stage order (a tied weight once, from its first stage)."""
-    first = view.writer_rank % (view.dp_world_size * view.tp_size) == 0  # this stage's data 0, tensor 0
+    first = view.stage_first
     state = _stage_16bit_state_dict(view, first, exclude_frozen_parameters)
     if view.pipe_size == 1 or not first:
         return state

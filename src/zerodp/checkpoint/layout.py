@@ -128,9 +128,6 @@ class RankPlan:
         world, rank = view.dp_world_size, view.dp_rank
         self.dp_rank, self.dp_world = rank, world
         self.rank, self.world = view.writer_rank, view.writer_count
-        # the first rank of each pipeline stage (data rank 0, tensor rank 0) writes its stage's
-        # unsharded tensors and its part of the index
-        self.stage_first = view.dp_rank == 0 and view.tp_rank == 0
         self.specs: list[TensorSpec] = []
         self._sources: dict[str, Any] = {}  # name -> tensor, or callable yielding parts
         self.extra_tensors: dict[str, torch.Tensor] = {}
@@ -298,7 +295,7 @@ class RankPlan:
         self.loose = {n: p for n, p in loose_parameters(self.view).items()
                       if not (self.exclude_frozen and not p.requires_grad)}
         self.buffers = persistent_buffers(self.view.module)
-        if self.stage_first:
+        if self.view.stage_first:
             for name, p in self.loose.items():
                 self.add_whole(f"extra.{name}.value", p.detach())
             for name, b in self.buffers.items():

@@ -370,7 +370,7 @@ class Checkpointer:
             raise CheckpointError(f"save_checkpoint: the ranks passed different tags (this rank: {tag!r}); "
                                   "pass the same tag on every rank, or none")
         stages = None  # with pipeline stages, each stage's part of the index, gathered at the first stage
-        if view.pipe_size > 1 and plan.stage_first:
+        if view.pipe_size > 1 and view.stage_first:
             stages = view.pipe_comm.all_gather_objects(plan.stage_skeleton())
         err = None
         if view.writer_rank == 0:

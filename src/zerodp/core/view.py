@@ -156,6 +156,12 @@ class CheckpointView:
         return self._engine.grid.pipe.comm()
 
     @property
+    def stage_first(self) -> bool:
+        """Whether this rank is its pipeline stage's first (data rank 0, tensor rank 0; rank 0 without
+        a pipeline): it writes the stage's unsplit tensors and puts the stage's parts together."""
+        return self.dp_rank == 0 and self.tp_rank == 0
+
+    @property
     def writer_rank(self) -> int:
         """Which of the checkpoint's files this rank writes: (pipeline stage x data size + data rank)
         x tensor size + tensor rank, the grid's own order."""
