@@ -25,15 +25,25 @@ RESULT_PREFIX = "RESULT "
 # ---------------------------------------------------------------------------- driver side
 
 
-def worker_env(world: int, extra: Optional[dict] = None) -> dict:
-    """Environment for a run's workers.
+#: glibc serves allocations of this many bytes or more with ``mmap`` in a memory run
+#: (``worker_env(memory=True)``).
+MMAP_THRESHOLD = "65536"
 
-    ``MALLOC_MMAP_THRESHOLD_`` makes glibc serve large allocations with mmap, so freed
-    memory goes back to the OS and peak RSS shows what a system really keeps; the cores are
-    split evenly between the ranks (one thread each on a 2-core machine).
+
+def worker_env(world: int, extra: Optional[dict] = None, memory: bool = True) -> dict:
+    """Environment for a run's workers; the cores are split evenly between the ranks (one
+    thread each on a 2-core machine).
+
+    ``memory``: ``MALLOC_MMAP_THRESHOLD_`` makes glibc serve large allocations with mmap, so
+    freed memory goes back to the OS and peak RSS shows what a system really keeps. It also
+    makes every large allocation fault its pages in afresh, which slows every system (DDP's
+    step by a fifth at world size 2 here, its activations) and those that free and allocate
+    again within a step (stage 3's gathered parameters) the most; a run that times steps
+    leaves glibc's own settings (``memory=False``), as a user's process has them.
     """
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536",
-               OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // world)))
+    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // world)))
+    if memory:
+        env["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD
     env.update(extra or {})
     return env
 

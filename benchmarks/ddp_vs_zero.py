@@ -14,8 +14,12 @@ that prefetching removes is printed below the table.
     python benchmarks/ddp_vs_zero.py                     # world sizes 2 and 4, 3 repetitions
     python benchmarks/ddp_vs_zero.py --worlds 2 --reps 5 --model small --micro-batch 8
 
-Set ``MALLOC_MMAP_THRESHOLD_=65536`` (the driver does it for its workers) or glibc keeps
-freed memory and peak RSS hides the savings.
+Step times come from the timed runs, which keep glibc's own allocator settings (as a user's
+process has them). Peak RSS comes from one more run per world size and system (warm-up and
+one step) with ``MALLOC_MMAP_THRESHOLD_=65536``, without which glibc keeps freed memory and
+peak RSS hides the savings; that setting also makes every large allocation fault its pages
+in afresh, which slows every system and stage 3 (which frees and gathers again within a
+step) the most, so it is kept out of the timed runs (``_common.worker_env``).
 """
 from __future__ import annotations
 
@@ -127,18 +131,19 @@ def _worker(args: argparse.Namespace) -> None:
 
 # ---------------------------------------------------------------------------- driver side
 
-def _launch(system: str, world: int, args: argparse.Namespace) -> list[dict]:
+def _launch(system: str, world: int, args: argparse.Namespace, memory: bool = False) -> list[dict]:
+    """One run: timed (glibc's defaults, ``--steps``), or for RSS (``memory``: warm-up and one step)."""
     cmd = ["--worker", "--system", system, "--model", args.model,
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--micro-batch", str(args.micro_batch),
-           "--bucket-mb", str(args.bucket_mb), "--seed", str(args.seed)]
-    launch = _common.torchrun(__file__, world, cmd, _common.worker_env(world))
+           "--steps", str(1 if memory else args.steps), "--warmup", str(args.warmup),
+           "--micro-batch", str(args.micro_batch), "--bucket-mb", str(args.bucket_mb), "--seed", str(args.seed)]
+    launch = _common.torchrun(__file__, world, cmd, _common.worker_env(world, memory=memory))
     rows = launch.result()
     if rows is None:
         raise RuntimeError(f"{system} at world {world} failed (exit {launch.returncode}):\n{launch.stderr[-3000:]}")
     return rows
 
 
-def _table(results: dict, worlds: list[int], systems: list[str]) -> str:
+def _table(results: dict, worlds: list[int], systems: list[str], memory: dict) -> str:
     hidden: list[str] = []
     lines = ["| world | system | step time (ms, median) | vs DDP | peak RSS / rank (MiB) | "
              "model states / rank (MiB) | comm / step / rank (MiB) | waiting for gathers (ms/step) "
@@ -149,7 +154,7 @@ def _table(results: dict, worlds: list[int], systems: list[str]) -> str:
         for system in systems:
             reps = results[(world, system)]
             step = statistics.median(r["step_s"] for rows in reps for r in rows)
-            rss = statistics.median(max(r["rss_mib"] for r in rows) for rows in reps)
+            rss = statistics.median(max(r["rss_mib"] for r in rows) for rows in memory[(world, system)])
             ms = max(r["model_state_mib"] for r in reps[0])
             comm = max(r["comm_mib"] for r in reps[0])
             loss = reps[-1][0]["final_loss"]
@@ -187,6 +192,7 @@ def main() -> None:
         _worker(args)
         return
     results: dict = {(w, s): [] for w in args.worlds for s in args.systems}
+    memory: dict = {(w, s): [] for w in args.worlds for s in args.systems}
     for rep in range(args.reps):
         for world in args.worlds:
             for system in args.systems:
@@ -194,9 +200,15 @@ def main() -> None:
                 results[(world, system)].append(rows)
                 print(f"rep {rep + 1}/{args.reps} world {world} {system:6s} "
                       f"step {statistics.median(r['step_s'] for r in rows) * 1e3:8.1f} ms", flush=True)
-    table = _table(results, args.worlds, args.systems)
+                if rep == 0:
+                    rows = _launch(system, world, args, memory=True)
+                    memory[(world, system)].append(rows)
+                    print(f"rep 1/{args.reps} world {world} {system:6s} "
+                          f"peak RSS {max(r['rss_mib'] for r in rows):6.0f} MiB", flush=True)
+    table = _table(results, args.worlds, args.systems, memory)
     print(f"\nmodel={args.model} micro_batch={args.micro_batch} steps={args.steps} reps={args.reps} "
-          f"bucket={args.bucket_mb} MiB, CPU/gloo\n")
+          f"bucket={args.bucket_mb} MiB, CPU/gloo; peak RSS from one run of warm-up + 1 step with "
+          f"MALLOC_MMAP_THRESHOLD_={_common.MMAP_THRESHOLD}\n")
     print(table)
     if args.markdown:
         with open(args.markdown, "w") as f:

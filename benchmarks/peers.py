@@ -7,6 +7,9 @@
 * ``fsdp2-noreshard``  the same with ``reshard_after_forward=False``
 * ``ds1`` ``ds2`` ``ds3``          DeepSpeed ZeRO stages 1-3
 * ``zero0`` .. ``zero3``           zerodp stages 0-3
+* ``zero3-noreshard``             zerodp stage 3 with ``stage3_max_reuse_distance`` at its default
+                                   (DeepSpeed's, 1e9): sharded between steps, each unit gathered once
+                                   per step (``zero3`` and ``ds3`` set 0: gathered again for backward)
 * ``zero3-tp2`` ``fsdp2-tp2``      tensor parallelism over pairs of ranks, with zerodp stage 3 or
                                    FSDP2 over the data-parallel ranks (a 2-D mesh)
 * ``zero3-tp2-sp``                 ``zero3-tp2`` with sequence and loss parallelism
@@ -24,9 +27,17 @@ group, and the systems are interleaved round-robin within every repetition, so m
 falls on all of them alike.
 
 Per world size and system the table gives the median optimizer-step time and its ratio to
-DDP's, peak RSS per rank, bytes communicated per step per rank (two ways, below), the
+DDP's, peak RSS per rank (from runs of their own, below), bytes communicated per step per rank (two ways, below), the
 gradient norm of the first step (before clipping) and the loss at the last step. Systems
 must agree on both; a row that does not is marked and a warning printed.
+
+Step times and memory come from separate runs. The timed runs keep glibc's own allocator
+settings, as a user's process has them. Peak RSS and RSS after set-up come from one more
+run per world size and system (``--memory-reps``, warm-up and one step) with
+``MALLOC_MMAP_THRESHOLD_=65536``: glibc then returns freed memory to the OS, so RSS shows
+what a system keeps, but every large allocation faults its pages in afresh, which slows
+every system (DDP's step by about a fifth at world size 2 here) and the ones that free and
+allocate again inside a step the most (stage 3's gathered parameters).
 
 Bytes communicated, counted inside each worker:
 
@@ -90,6 +101,8 @@ SYSTEMS = [
     System("zero1", "zerodp", "zerodp stage 1", ("zerodp",)),
     System("zero2", "zerodp", "zerodp stage 2", ("zerodp",)),
     System("zero3", "zerodp", "zerodp stage 3", ("zerodp",)),
+    System("zero3-noreshard", "zerodp", "zerodp stage 3, stage3_max_reuse_distance at its default (1e9): "
+           "units stay gathered from forward to backward", ("zerodp",)),
     # tensor parallelism (2 adjacent ranks per layer, the example GPT's plan on torch's TP styles);
     # each data-parallel rank trains on the micro-batches of the 2 ranks it stands for, so the
     # global batch, the losses and the norms are the data-parallel systems' at the same world size
@@ -452,6 +465,8 @@ def _build(system: str, model, gpt, args, world: int) -> Trainer:
     if system.startswith("zero"):
         import zerodp
         stage, offload = int(system[4]), system[6:]
+        keep_gathered = offload == "noreshard"
+        offload = "" if keep_gathered else offload
         tp = TP if offload.startswith("tp2") else 1
         split_sequence = offload == "tp2-sp"
         offload = "" if offload.startswith("tp2") else offload
@@ -464,6 +479,8 @@ def _build(system: str, model, gpt, args, world: int) -> Trainer:
                 "stage3_prefetch_bucket_size": prefetch_elems, "stage3_max_reuse_distance": 0},
             "tensor_parallel": {"autotp_size": tp, "sequence_parallel": split_sequence, "loss_parallel": split_sequence},
         }
+        if keep_gathered:
+            del config["zero_optimization"]["stage3_max_reuse_distance"]
         # the peers' optimizer exactly (torch's default AdamW), not the fused one zerodp builds
         # from an "optimizer" config block, so the step times compare the engines alone; with
         # offload, each system's own CPU Adam (zerodp's: torch's fused AdamW from the config)
@@ -588,25 +605,28 @@ class Run:
     rows: Optional[list] = None      # one dict per rank
     error: Optional[str] = None
     seconds: float = 0.0
+    kind: str = "time"               # "time": step times, glibc's defaults; "memory": RSS (MALLOC_MMAP_THRESHOLD_)
 
 
-def _launch(system: str, world: int, rep: int, args, log_dir: str) -> Run:
+def _launch(system: str, world: int, rep: int, args, log_dir: str, kind: str = "time") -> Run:
     extra = {"DS_ACCELERATOR": "cpu"} if BY_NAME[system].family == "deepspeed" else {}
-    cmd = ["--worker", "--system", system, "--model", args.model, "--steps", str(args.steps),
+    steps = args.steps if kind == "time" else 1
+    cmd = ["--worker", "--system", system, "--model", args.model, "--steps", str(steps),
            "--warmup", str(args.warmup), "--micro-batch", str(args.micro_batch),
            "--bucket-mb", str(args.bucket_mb), "--clip", str(args.clip), "--seed", str(args.seed),
            "--nvme-path", args.nvme_path or tempfile.gettempdir()]
     if args.prefetch_mb is not None:
         cmd += ["--prefetch-mb", str(args.prefetch_mb)]
-    launch = _common.torchrun(__file__, world, cmd, _common.worker_env(world, extra), timeout=args.timeout)
+    env = _common.worker_env(world, extra, memory=kind == "memory")
+    launch = _common.torchrun(__file__, world, cmd, env, timeout=args.timeout)
     os.makedirs(log_dir, exist_ok=True)
-    with open(os.path.join(log_dir, f"w{world}-{system}-rep{rep}.log"), "w") as f:
+    with open(os.path.join(log_dir, f"w{world}-{system}-{kind}-rep{rep}.log"), "w") as f:
         f.write(f"exit {launch.returncode}, {launch.seconds:.1f} s\n--- stdout\n{launch.stdout}\n"
                 f"--- stderr\n{launch.stderr}\n")
     rows = launch.result()
     if rows is None:
-        return Run(system, world, rep, error=_common.failure_reason(launch), seconds=launch.seconds)
-    return Run(system, world, rep, rows=rows, seconds=launch.seconds)
+        return Run(system, world, rep, error=_common.failure_reason(launch), seconds=launch.seconds, kind=kind)
+    return Run(system, world, rep, rows=rows, seconds=launch.seconds, kind=kind)
 
 
 @dataclasses.dataclass
@@ -634,7 +654,8 @@ def summarize(runs: list[Run], worlds: list[int], systems: list[str], skipped: d
     """Table rows: medians over repetitions of per-run figures (a run's step time is the
     slowest rank's median step; its RSS the largest rank's; bytes are averaged over ranks),
     the ratio to DDP at the same world size, and agreement checks against DDP (or, without
-    DDP, the first system that ran)."""
+    DDP, the first system that ran). Step times, bytes and losses come from the timed runs,
+    RSS from the memory runs (``Run.kind``), whose first gradient norm must be the timed runs'."""
     out: list[Summary] = []
     for world in worlds:
         rows_w: list[Summary] = []
@@ -644,20 +665,22 @@ def summarize(runs: list[Run], worlds: list[int], systems: list[str], skipped: d
             if system in skipped:
                 s.note, s.ok = skipped[system], False
                 continue
-            good = [r for r in runs if r.world == world and r.system == system and r.rows]
-            bad = [r for r in runs if r.world == world and r.system == system and not r.rows]
+            mine = [r for r in runs if r.world == world and r.system == system]
+            good = [r for r in mine if r.rows and r.kind == "time"]
+            bad = [r for r in mine if not r.rows]
+            memory = [r for r in mine if r.rows and r.kind == "memory"]
             s.reps = len(good)
             if not good:
                 s.ok = False
                 s.note = f"failed: {bad[0].error}" if bad else "not run"
                 continue
             if bad:
-                s.note = f"{len(bad)} of {len(bad) + len(good)} runs failed: {bad[0].error}"
+                s.note = f"{len(bad)} of {len(bad) + len(good) + len(memory)} runs failed: {bad[0].error}"
             per_run = [max(r["step_s"] for r in run.rows) for run in good]
             s.step_s = _common.median(per_run)
             s.step_range_s = (min(per_run), max(per_run))
-            s.peak_rss_mib = _common.median(max(r["peak_rss_mib"] for r in run.rows) for run in good)
-            s.rss_ready_mib = _common.median(max(r["rss_ready_mib"] for r in run.rows) for run in good)
+            s.peak_rss_mib = _common.median(max(r["peak_rss_mib"] for r in run.rows) for run in memory)
+            s.rss_ready_mib = _common.median(max(r["rss_ready_mib"] for r in run.rows) for run in memory)
             s.comm_mib = _common.median(statistics.fmean(r["comm_bytes_per_step"] for r in run.rows) / 2**20
                                         for run in good)
             s.socket_mib = _common.median(
@@ -665,6 +688,11 @@ def summarize(runs: list[Run], worlds: list[int], systems: list[str], skipped: d
                 for run in good if all(r["socket_bytes_per_step"] is not None for r in run.rows))
             s.calls = _common.median(statistics.fmean(r["comm_calls_per_step"] for r in run.rows) for run in good)
             s.grad_norm = good[0].rows[0]["grad_norms"][0]
+            for run in memory:
+                if abs(run.rows[0]["grad_norms"][0] - s.grad_norm) > GRAD_NORM_RTOL * abs(s.grad_norm):
+                    s.ok = False
+                    s.note = _join(s.note, f"DISAGREES: the memory run's step-1 grad norm "
+                                           f"{run.rows[0]['grad_norms'][0]:.6g} vs the timed runs' {s.grad_norm:.6g}")
             finals = [statistics.fmean(r["losses"][-1] for r in run.rows) for run in good]
             s.loss = finals[0]
             if max(finals) - min(finals) > LOSS_ATOL:
@@ -774,7 +802,9 @@ def _header(args, params: Optional[int], seq_len: Optional[int]) -> str:
     p = f"{params / 1e6:.2f}M parameters, " if params else ""
     seq = f" x {seq_len} tokens" if seq_len else ""
     return (f"model `{args.model}` ({p}fp32), micro-batch {args.micro_batch}{seq} per rank, "
-            f"{args.warmup} warm-up + {args.steps} timed steps, {args.reps} repetitions, "
+            f"{args.warmup} warm-up + {args.steps} timed steps, {args.reps} repetitions "
+            f"(RSS: {args.memory_reps} run{'s' if args.memory_reps != 1 else ''} of {args.warmup} + 1 steps "
+            f"with MALLOC_MMAP_THRESHOLD_={_common.MMAP_THRESHOLD}), "
             f"{args.bucket_mb:g} MiB buckets, stage-3 prefetch "
             f"{'one block' if args.prefetch_mb is None else f'{args.prefetch_mb:g} MiB'}, gradient clipping {args.clip:g}, gloo on "
             f"{os.cpu_count()} CPU cores ({platform.machine()}), {', '.join(versions)}")
@@ -803,6 +833,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--nvme-path", default=None,
                     help="directory for zero3-nvme's swap files (default: the system's temporary directory)")
+    ap.add_argument("--memory-reps", type=int, default=1,
+                    help="runs per world size and system that measure RSS (MALLOC_MMAP_THRESHOLD_, warm-up "
+                         "and one step) apart from the timed runs; 0 leaves the RSS columns empty (default 1)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds before a run is killed (default 900)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
                     help="output folder (default benchmarks/results/)")
@@ -819,13 +852,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     skipped = {s: why for s in args.systems if (why := _missing(BY_NAME[s]))}
     for s, why in skipped.items():
         print(f"skipping {s}: {why}", flush=True)
-    plan = [(rep, world, system) for rep in range(args.reps) for world in args.worlds
-            for system in args.systems if system not in skipped and world % _ranks_needed(system) == 0]
+    runs_of = {"time": args.reps, "memory": args.memory_reps}
+    plan = [(rep, world, system, kind) for rep in range(max(runs_of.values())) for world in args.worlds
+            for system in args.systems if system not in skipped and world % _ranks_needed(system) == 0
+            for kind in runs_of if rep < runs_of[kind]]
     runs: list[Run] = []
     t_start = time.perf_counter()
-    for i, (rep, world, system) in enumerate(plan, 1):
-        print(f"[{i}/{len(plan)}] rep {rep + 1}/{args.reps} world {world} {system:16s} ...", end=" ", flush=True)
-        run = _launch(system, world, rep, args, log_dir)
+    for i, (rep, world, system, kind) in enumerate(plan, 1):
+        print(f"[{i}/{len(plan)}] rep {rep + 1}/{runs_of[kind]} world {world} {system:16s} {kind:6s} ...",
+              end=" ", flush=True)
+        run = _launch(system, world, rep, args, log_dir, kind)
         runs.append(run)
         spent = time.perf_counter() - t_start
         eta = spent / i * (len(plan) - i)
