@@ -65,6 +65,13 @@ def test_tp2_dp2_transformers_llama(pool, stage):
     assert_matches(results, reference("llama", 2, STEPS, GAS, CLIP, "SGD"), atol=1e-6)
 
 
+def test_tp2_dp2_transformers_qwen3(pool):
+    """A ``transformers`` Qwen3 split by its own ``tp_plan``, whose per-head q and k norms are
+    ``replicated_with_grad_allreduce``: run on this rank's heads, their gradients summed over them."""
+    results = pool.run(train, 4, "qwen3", 2, 2, STEPS, gas=GAS, clip=CLIP, optimizer_name="SGD")
+    assert_matches(results, reference("qwen3", 2, STEPS, GAS, CLIP, "SGD"), atol=1e-6)
+
+
 def test_tp2_dp2_transformers_gpt2(pool):
     """``transformers``' GPT-2 ships no plan; zerodp's splits its ``Conv1D`` layers (weights stored
     transposed) and the fused ``c_attn`` by heads, and the tied vocabulary."""
@@ -241,20 +248,39 @@ def test_loss_parallel_cross_entropy_on_split_logits(pool, model_name, stage):
     assert all(r["comm"]["tensor"]["all_gather"] == 0 for r in results)  # the logits were not gathered
 
 
-@pytest.mark.parametrize("stage,loss_parallel,plain_loop", [(0, False, False), (1, False, False), (2, True, False),
-                                                            (3, False, False), (3, True, True)])
-def test_sequence_parallel(pool, stage, loss_parallel, plain_loop):
+@pytest.mark.parametrize("model_name,stage,loss_parallel,plain_loop", [
+    ("gpt", 0, False, False), ("gpt", 1, False, False), ("gpt", 2, True, False), ("gpt", 3, False, False),
+    ("gpt", 3, True, True), ("llama", 1, False, False), ("llama_labels", 3, True, False), ("qwen2", 2, False, False),
+    ("qwen3", 3, False, False), ("mistral", 0, False, False)])
+def test_sequence_parallel(pool, model_name, stage, loss_parallel, plain_loop):
     """``tensor_parallel.sequence_parallel``: norms, residuals and dropout on sequence slices, the
     column splits gathering their input and the row splits reduce-scattering their output; with the
-    norms' gradients summed over the slices. Every stage, with loss parallelism, in the plain loop."""
-    results = pool.run(train, 4, "gpt", stage, 2, STEPS, gas=GAS, clip=CLIP, optimizer_name="SGD",
+    norms' gradients summed over the slices. Every stage, with loss parallelism, in the plain loop;
+    and ``transformers``' Llama (its rotary positions and causal mask built from the whole
+    sequence), also with its loss from ``labels`` on split logits, Qwen2 (biased q, k, v), Qwen3
+    (a norm on each head's q and k) and Mistral (a sliding-window mask, built whole)."""
+    results = pool.run(train, 4, model_name, stage, 2, STEPS, gas=GAS, clip=CLIP, optimizer_name="SGD",
                        loss_parallel=loss_parallel, sequence_parallel=True, plain_loop=plain_loop)
-    assert_matches(results, reference("gpt", 2, STEPS, GAS, CLIP, "SGD"), atol=1e-6)
+    assert_matches(results, reference(model_name, 2, STEPS, GAS, CLIP, "SGD"), atol=1e-6)
     assert all(r["comm"]["tensor"]["reduce_scatter"] > 0 for r in results)  # the sequence was split
 
 
+def test_llama_sequence_parallel_bytes_are_the_collectives_torch_ran(pool):
+    """The tensor group's count for a Llama with sequence and loss parallelism, call for call
+    against ``CommDebugMode``: the all-gather of the final norm's output that DTensor runs inside
+    the model's slice of the hidden states stands where the output layer's input gather is counted."""
+    from tp_tasks import count_tensor_collectives
+    results = pool.run(count_tensor_collectives, 4, 2, True, True, "llama_labels")
+    functional = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")  # c10d's: the data group's
+    for r in results:
+        got = {k: r["debug_counts"].get(k, 0) for k in functional}
+        assert got["reduce_scatter_tensor"] > 0 and got["all_gather_into_tensor"] > 0
+        assert r["engine"]["calls"] == sum(got.values()) + 1, (r["debug_counts"], r["engine"])  # + the batch check
+
+
 @pytest.mark.parametrize("case,message", [
-    ("sequence_llama", "tensor_parallel.sequence_parallel: zerodp splits the sequence of the example GPT"),
+    ("sequence_gpt2", "tensor_parallel.sequence_parallel: zerodp splits the sequence of the example GPT and of "
+                      "transformers' llama, mistral, qwen2, qwen3 models"),
     ("loss_without_output_layer", "tensor_parallel.loss_parallel: the model's plan has no output layer whose "
                                   "logits are gathered")])
 def test_loss_and_sequence_parallelism_refused_where_they_do_not_apply(pool, case, message):

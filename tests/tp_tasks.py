@@ -48,7 +48,29 @@ def build_gpt2(seed: int = 0):
     return GPT2LMHeadModel(cfg)
 
 
-MODELS = {"gpt": build_gpt, "llama": build_llama, "gpt2": build_gpt2, "llama_labels": build_llama}
+def build_qwen(seed: int = 0, version: int = 3):
+    """A ``transformers`` Qwen2 (biases on q, k and v) or Qwen3 (a norm on each head's q and k)."""
+    import transformers
+    torch.manual_seed(seed)
+    config, model = (transformers.Qwen3Config, transformers.Qwen3ForCausalLM) if version == 3 else (
+        transformers.Qwen2Config, transformers.Qwen2ForCausalLM)
+    cfg = config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8, max_position_embeddings=SEQ, tie_word_embeddings=False,
+                 attn_implementation="sdpa")
+    return model(cfg)
+
+
+def build_mistral(seed: int = 0):
+    from transformers import MistralConfig, MistralForCausalLM
+    torch.manual_seed(seed)
+    cfg = MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=SEQ,
+                        sliding_window=SEQ // 2, tie_word_embeddings=False, attn_implementation="sdpa")
+    return MistralForCausalLM(cfg)
+
+
+MODELS = {"gpt": build_gpt, "llama": build_llama, "gpt2": build_gpt2, "llama_labels": build_llama,
+          "qwen2": lambda seed=0: build_qwen(seed, 2), "qwen3": build_qwen, "mistral": build_mistral}
 
 
 def batch(step: int, dp_rank: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -384,17 +406,19 @@ def llama_checkpointed(group, stage: int, tp: int, steps: int) -> dict:
     return out
 
 
-def count_tensor_collectives(group, tp: int, loss_parallel: bool = False, sequence_parallel: bool = False) -> dict:
-    """One forward and backward of the example GPT on a TP grid under torch's ``CommDebugMode``:
-    the collectives DTensor really issued, beside what the engine counted for the tensor group."""
+def count_tensor_collectives(group, tp: int, loss_parallel: bool = False, sequence_parallel: bool = False,
+                             model_name: str = "gpt") -> dict:
+    """One forward and backward of the example GPT (or ``model_name``) on a TP grid under torch's
+    ``CommDebugMode``: the collectives DTensor really issued, beside what the engine counted for
+    the tensor group."""
     from torch.distributed.tensor.debug import CommDebugMode
-    model = build_gpt()
+    model = MODELS[model_name]()
     engine, _, _, _ = zerodp.initialize(model=model, config=config(
         1, tp, dist.get_world_size() // tp, loss_parallel=loss_parallel, sequence_parallel=sequence_parallel))
     x, y = batch(0, engine.dp_rank, 0)
     mode = CommDebugMode()
     with mode:
-        engine.backward(engine(x, y)[1])
+        engine.backward(loss_of(model_name, forward(model_name, engine, x, y), y))
         engine.step()  # the step too: sequence-parallel norms' partial gradients are summed when read
     counts = {str(k).split(".")[-1]: v for k, v in mode.get_comm_counts().items()}
     out = {"debug_counts": counts, "engine": engine.comm_stats(by_group=True)["tensor"]}
@@ -415,8 +439,8 @@ def refused_split(group, n_head: int, tp: int) -> str:
 def refused_option(group, case: str) -> str:
     """What initialize says of loss or sequence parallelism where zerodp cannot apply it."""
     world = dist.get_world_size()
-    if case == "sequence_llama":
-        model, cfg = build_llama(), config(1, 2, world // 2, sequence_parallel=True)
+    if case == "sequence_gpt2":  # its position embedding is added to the token embedding's output
+        model, cfg = build_gpt2(), config(1, 2, world // 2, sequence_parallel=True)
     else:  # "loss_without_output_layer": a model whose plan gathers no logits
         model, cfg = PlainMLP(), config(1, 2, world // 2, loss_parallel=True)
         cfg["tensor_parallel"]["partition_config"] = PARTITION_CONFIG

@@ -282,7 +282,7 @@ def _count_hook(comm: Comm, split: Split):
                     add("all_reduce", rows * 4)
             if x_grad:  # the input's gradient summed (onto the sequence slices)
                 add("reduce_scatter" if split.sequence else "all_reduce", nbytes(x))
-        elif split.kind == "sequence_norm" and grad:  # each parameter's partial gradient summed
+        elif split.kind in ("sequence_norm", "head_norm") and grad:  # each parameter's partial gradient summed
             for p in module.parameters(recurse=False):
                 if p.requires_grad:
                     add("all_reduce", nbytes(p))

@@ -36,6 +36,7 @@ HF_STYLES: dict[str, Optional[Split]] = {
     "packed_colwise": Split("column", blocks=2),
     "sequence_parallel": None,  # norms stay replicated
     "replicate": None,
+    "replicated_with_grad_allreduce": Split("head_norm"),  # Qwen3's per-head q and k norms
 }
 
 #: The example GPT (``zerodp.examples.gpt``): heads and MLP split, the vocabulary split in the
@@ -67,6 +68,21 @@ GPT_SEQUENCE_PLAN = {
     "blocks.*.ln_2": Split("sequence_norm"),
     "ln_f": Split("sequence_norm"),
 }
+
+
+#: Sequence parallelism in ``transformers``' Llama-style decoders (their own plan splits the
+#: projections): the token embedding's output is cut to the sequence slices and stays a
+#: ``DTensor`` down the residual stream (the model builds its positions and causal mask from the
+#: embeddings' shape, which a ``DTensor`` gives whole), the norms run on the slices.
+HF_SEQUENCE_PLAN = {
+    "embed_tokens": Split("sequence_positions", dtensor_output=True),
+    "layers.*.input_layernorm": Split("sequence_norm"),
+    "layers.*.post_attention_layernorm": Split("sequence_norm"),
+    "norm": Split("sequence_norm"),
+}
+
+#: ``transformers`` model types laid out as ``HF_SEQUENCE_PLAN`` names them.
+HF_SEQUENCE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def _prefixed(model: nn.Module, plan: dict[str, Split], prefix: str) -> dict[str, Split]:
@@ -181,14 +197,23 @@ def with_loss_parallel(plan: dict[str, Split]) -> dict[str, Split]:
 
 
 def with_sequence_parallel(model: nn.Module, plan: dict[str, Split], partition_config: Optional[dict]) -> dict:
-    """``plan`` with the activations between the split layers split along the sequence."""
-    if partition_config or not _is_example_gpt(model):
+    """``plan`` with the activations between the split layers split along the sequence: the
+    example GPT, and ``transformers``' Llama, Mistral, Qwen2 and Qwen3 under their own plans."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    hf = not _is_example_gpt(model) and model_type in HF_SEQUENCE_MODEL_TYPES
+    if partition_config or not (_is_example_gpt(model) or hf):
         raise TensorParallelError(
-            "tensor_parallel.sequence_parallel: zerodp splits the sequence of the example GPT under its own plan; "
-            f"{type(model).__name__}" + (" with a partition_config" if partition_config else "")
+            "tensor_parallel.sequence_parallel: zerodp splits the sequence of the example GPT and of transformers' "
+            f"{', '.join(HF_SEQUENCE_MODEL_TYPES)} models under their own plans; {type(model).__name__}"
+            + (" with a partition_config" if partition_config else "")
             + " keeps its activations whole on every tensor-parallel rank (leave sequence_parallel off)")
-    out = {k: replace(v, sequence=True) for k, v in plan.items()}
-    out.update(GPT_SEQUENCE_PLAN)
+    out = {k: replace(v, sequence=True, dtensor_output=hf and v.kind == "row") for k, v in plan.items()}
+    if hf:
+        names = {n for n, _ in model.named_modules()}
+        extra = _prefixed(model, HF_SEQUENCE_PLAN, model.base_model_prefix)
+        out.update({k: v for k, v in extra.items() if "*" in k or k in names})
+    else:
+        out.update(GPT_SEQUENCE_PLAN)
     return out
 
 

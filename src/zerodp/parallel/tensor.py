@@ -15,6 +15,10 @@ A *plan* maps module names of the model to a :class:`Split`:
   the loss needs whole).
 * ``loss_output``: a column split of the output layer whose logits stay split over the vocabulary,
   as a ``DTensor`` (``Shard(-1)``), for torch's loss-parallel cross entropy.
+* ``head_norm``: a norm over each attention head's features (Qwen3's ``q_norm`` and ``k_norm``,
+  input ``(batch, T, heads, head_dim)``) run on this rank's heads: its parameters replicated
+  ``DTensor`` s whose gradients are partial sums over the heads (``transformers``'
+  ``replicated_with_grad_allreduce``).
 
 With ``sequence=True`` the activations outside the split layers are split along the sequence
 (dimension 1; Megatron's sequence parallelism): a column split gathers its input from the
@@ -144,10 +148,17 @@ class Split:
     """A row split whose input arrives whole on every rank (each rank takes its slice of it)."""
     sequence: bool = False
     """The activations outside this module are split along the sequence (sequence parallelism)."""
+    dtensor_output: bool = False
+    """The output stays a ``DTensor`` (split along the sequence) instead of this rank's slice: for a
+    model that reads the whole sequence's shape from its activations (``transformers``' decoders
+    build positions and masks from the embeddings' shape)."""
 
-    KINDS = ("column", "row", "vocab", "column_gather", "loss_output", "sequence_norm", "sequence_positions")
+    KINDS = ("column", "row", "vocab", "column_gather", "loss_output", "sequence_norm", "sequence_positions",
+             "head_norm")
     COLUMN = ("column", "column_gather", "loss_output")
     SEQUENCE = ("sequence_norm", "sequence_positions")
+    REPLICATED = SEQUENCE + ("head_norm",)
+    """Kinds whose parameters stay whole on every rank (replicated ``DTensor`` s)."""
 
     def __post_init__(self) -> None:
         if self.kind not in self.KINDS:
@@ -162,7 +173,7 @@ def _is_conv1d(module: nn.Module) -> bool:
 def _param_splits(module: nn.Module, split: Split) -> dict[str, Optional[tuple[int, int]]]:
     """Parameter name -> (dim, blocks) of its split, or None where it stays replicated."""
     conv = _is_conv1d(module)
-    if split.kind in Split.SEQUENCE:
+    if split.kind in Split.REPLICATED:
         return {pname: None for pname, _ in module.named_parameters(recurse=False)}
     if isinstance(module, nn.Embedding):
         if split.kind != "vocab" and split.kind != "column":
@@ -206,6 +217,10 @@ def _style(split: Split):
         style = _styles()[SequenceParallel]()
         style.split = split
         return style
+    if split.kind == "head_norm":
+        style = _styles()["heads"](sequence_dim=2, use_local_output=True)
+        style.split = split
+        return style
     if split.kind == "sequence_positions":
         style = _styles()["positions"]()
         style.split = split
@@ -217,6 +232,7 @@ def _style(split: Split):
             kwargs["input_layouts"] = Replicate()
         if split.sequence:
             kwargs["output_layouts"] = Shard(1)
+            kwargs["use_local_output"] = not split.dtensor_output
     else:
         base = ColwiseParallel
         kwargs["output_layouts"] = Replicate() if split.kind == "column_gather" else Shard(-1)
@@ -256,12 +272,23 @@ def _styles() -> dict:
             "_replicate_module_fn": lambda self, name, mod, mesh: [
                 _replicate_param(mod, pname, mesh) for pname, _ in list(mod.named_parameters(recurse=False))]})
         _STYLE_CLASSES["positions"] = _positions_style()
+
+        def on_heads(sharding, mod, inputs, device_mesh):  # (batch, T, heads, head_dim): split on heads
+            if not (inputs and isinstance(inputs[0], torch.Tensor) and inputs[0].dim() == 4):
+                shape = tuple(inputs[0].shape) if inputs and isinstance(inputs[0], torch.Tensor) else None
+                raise TensorParallelError(
+                    f"a 'head_norm' split (replicated_with_grad_allreduce) takes (batch, T, heads, head_dim) "
+                    f"inputs; {type(mod).__name__} got {shape}: give a partition_config that leaves it out")
+            return SequenceParallel._prepare_input_fn(sharding, mod, inputs, device_mesh)
+        _STYLE_CLASSES["heads"] = type("ZerodpHeadNorm", (_STYLE_CLASSES[SequenceParallel],),
+                                       {"_prepare_input_fn": staticmethod(on_heads)})
     return _STYLE_CLASSES
 
 
 def _positions_style():
     """A style whose module stays whole and whose output (``(..., T, C)``) is cut to this rank's
-    slice of the sequence ``T``: a ``DTensor`` redistribution, so backward gathers the gradient."""
+    slice of the sequence ``T``: a ``DTensor`` redistribution, so backward gathers the gradient.
+    The slice, or with ``split.dtensor_output`` the ``DTensor``."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.parallel.style import ParallelStyle
 
@@ -269,7 +296,8 @@ def _positions_style():
         def cut(mod, args, out):
             dim = out.dim() - 2
             whole = DTensor.from_local(out, device_mesh, [Replicate()], run_check=False)
-            return whole.redistribute(device_mesh, [Shard(dim)]).to_local()
+            part = whole.redistribute(device_mesh, [Shard(dim)])
+            return part if self.split.dtensor_output else part.to_local()
         module.register_forward_hook(cut)
         return module
 
