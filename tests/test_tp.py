@@ -251,14 +251,15 @@ def test_loss_parallel_cross_entropy_on_split_logits(pool, model_name, stage):
 @pytest.mark.parametrize("model_name,stage,loss_parallel,plain_loop", [
     ("gpt", 0, False, False), ("gpt", 1, False, False), ("gpt", 2, True, False), ("gpt", 3, False, False),
     ("gpt", 3, True, True), ("llama", 1, False, False), ("llama_labels", 3, True, False), ("qwen2", 2, False, False),
-    ("qwen3", 3, False, False), ("mistral", 0, False, False)])
+    ("qwen3", 3, False, False), ("mistral", 0, False, False), ("gpt2", 2, False, False)])
 def test_sequence_parallel(pool, model_name, stage, loss_parallel, plain_loop):
     """``tensor_parallel.sequence_parallel``: norms, residuals and dropout on sequence slices, the
     column splits gathering their input and the row splits reduce-scattering their output; with the
     norms' gradients summed over the slices. Every stage, with loss parallelism, in the plain loop;
     and ``transformers``' Llama (its rotary positions and causal mask built from the whole
     sequence), also with its loss from ``labels`` on split logits, Qwen2 (biased q, k, v), Qwen3
-    (a norm on each head's q and k) and Mistral (a sliding-window mask, built whole)."""
+    (a norm on each head's q and k), Mistral (a sliding-window mask, built whole) and GPT-2 (its
+    split vocabulary and its position embedding both cut to the slices)."""
     results = pool.run(train, 4, model_name, stage, 2, STEPS, gas=GAS, clip=CLIP, optimizer_name="SGD",
                        loss_parallel=loss_parallel, sequence_parallel=True, plain_loop=plain_loop)
     assert_matches(results, reference(model_name, 2, STEPS, GAS, CLIP, "SGD"), atol=1e-6)
@@ -279,8 +280,8 @@ def test_llama_sequence_parallel_bytes_are_the_collectives_torch_ran(pool):
 
 
 @pytest.mark.parametrize("case,message", [
-    ("sequence_gpt2", "tensor_parallel.sequence_parallel: zerodp splits the sequence of the example GPT and of "
-                      "transformers' llama, mistral, qwen2, qwen3 models"),
+    ("sequence_partition_config", "tensor_parallel.sequence_parallel: zerodp splits the sequence of the example "
+                                  "GPT and of transformers' llama, mistral, qwen2, qwen3, gpt2 models"),
     ("loss_without_output_layer", "tensor_parallel.loss_parallel: the model's plan has no output layer whose "
                                   "logits are gathered")])
 def test_loss_and_sequence_parallelism_refused_where_they_do_not_apply(pool, case, message):

@@ -439,11 +439,10 @@ def refused_split(group, n_head: int, tp: int) -> str:
 def refused_option(group, case: str) -> str:
     """What initialize says of loss or sequence parallelism where zerodp cannot apply it."""
     world = dist.get_world_size()
-    if case == "sequence_gpt2":  # its position embedding is added to the token embedding's output
-        model, cfg = build_gpt2(), config(1, 2, world // 2, sequence_parallel=True)
-    else:  # "loss_without_output_layer": a model whose plan gathers no logits
-        model, cfg = PlainMLP(), config(1, 2, world // 2, loss_parallel=True)
-        cfg["tensor_parallel"]["partition_config"] = PARTITION_CONFIG
+    option = "sequence_parallel" if case == "sequence_partition_config" else "loss_parallel"
+    # a plan from a partition_config: no norms named; a model whose plan gathers no logits
+    model, cfg = PlainMLP(), config(1, 2, world // 2, **{option: True})
+    cfg["tensor_parallel"]["partition_config"] = PARTITION_CONFIG
     try:
         zerodp.initialize(model=model, config=cfg)
     except ValueError as e:

@@ -267,7 +267,7 @@ class TensorParallelConfig(_Section):
     sequence_parallel: bool = Field(
         False, description="Split the activations between the tensor-parallel layers (norms, dropout, residuals) "
                            "along the sequence (Megatron's sequence parallelism, torch's SequenceParallel); the "
-                           "example GPT and transformers' Llama, Mistral, Qwen2 and Qwen3 (docs/parallel.md).")
+                           "example GPT and transformers' GPT-2, Llama, Mistral, Qwen2 and Qwen3 (docs/parallel.md).")
     dtype: Any = Field(None, description="Accepted for compatibility: the dtype comes from the bf16/fp16 blocks.")
     tp_overlap_comm: bool = Field(False, description="Accepted for compatibility (no effect).")
 

@@ -81,8 +81,18 @@ HF_SEQUENCE_PLAN = {
     "norm": Split("sequence_norm"),
 }
 
-#: ``transformers`` model types laid out as ``HF_SEQUENCE_PLAN`` names them.
-HF_SEQUENCE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+#: The same for ``transformers``' GPT-2 (its vocabulary split by zerodp's plan): the position
+#: embedding's output is cut to the slices as well, and added to the token embedding's there.
+GPT2_SEQUENCE_PLAN = {
+    "wpe": Split("sequence_positions", dtensor_output=True),
+    "h.*.ln_1": Split("sequence_norm"),
+    "h.*.ln_2": Split("sequence_norm"),
+    "ln_f": Split("sequence_norm"),
+}
+
+#: ``transformers`` model types whose sequence zerodp splits, and the plan that names their norms.
+HF_SEQUENCE_PLANS = {"llama": HF_SEQUENCE_PLAN, "mistral": HF_SEQUENCE_PLAN, "qwen2": HF_SEQUENCE_PLAN,
+                     "qwen3": HF_SEQUENCE_PLAN, "gpt2": GPT2_SEQUENCE_PLAN}
 
 
 def _prefixed(model: nn.Module, plan: dict[str, Split], prefix: str) -> dict[str, Split]:
@@ -198,19 +208,20 @@ def with_loss_parallel(plan: dict[str, Split]) -> dict[str, Split]:
 
 def with_sequence_parallel(model: nn.Module, plan: dict[str, Split], partition_config: Optional[dict]) -> dict:
     """``plan`` with the activations between the split layers split along the sequence: the
-    example GPT, and ``transformers``' Llama, Mistral, Qwen2 and Qwen3 under their own plans."""
+    example GPT, and ``transformers``' GPT-2, Llama, Mistral, Qwen2 and Qwen3 under their plans."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    hf = not _is_example_gpt(model) and model_type in HF_SEQUENCE_MODEL_TYPES
+    hf = not _is_example_gpt(model) and model_type in HF_SEQUENCE_PLANS
     if partition_config or not (_is_example_gpt(model) or hf):
         raise TensorParallelError(
             "tensor_parallel.sequence_parallel: zerodp splits the sequence of the example GPT and of transformers' "
-            f"{', '.join(HF_SEQUENCE_MODEL_TYPES)} models under their own plans; {type(model).__name__}"
+            f"{', '.join(HF_SEQUENCE_PLANS)} models under their plans; {type(model).__name__}"
             + (" with a partition_config" if partition_config else "")
             + " keeps its activations whole on every tensor-parallel rank (leave sequence_parallel off)")
-    out = {k: replace(v, sequence=True, dtensor_output=hf and v.kind == "row") for k, v in plan.items()}
+    # a transformers model's residual stream stays a DTensor: what is added into it is one too
+    out = {k: replace(v, sequence=True, dtensor_output=hf and v.kind in ("row", "vocab")) for k, v in plan.items()}
     if hf:
         names = {n for n, _ in model.named_modules()}
-        extra = _prefixed(model, HF_SEQUENCE_PLAN, model.base_model_prefix)
+        extra = _prefixed(model, HF_SEQUENCE_PLANS[model_type], model.base_model_prefix)
         out.update({k: v for k, v in extra.items() if "*" in k or k in names})
     else:
         out.update(GPT_SEQUENCE_PLAN)
