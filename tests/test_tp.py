@@ -172,6 +172,17 @@ def test_checkpoints_move_between_grids(pool, tmp_path):
     assert_matches(results, reference("gpt", dp, 5, GAS, CLIP, "SGD"), atol=1e-6)
 
 
+@pytest.mark.parametrize("model_name", ["gpt", "qwen3"])
+def test_checkpoints_move_between_sequence_parallel_grids(pool, tmp_path, model_name):
+    """The replicated DTensors of sequence parallelism (the norms) and Qwen3's head norms in
+    checkpoints: TP2 x DP2 stage 3 with sequence parallelism -> TP1 x DP4 stage 1 -> TP2 x DP2
+    stage 2 without it -> TP2 x DP2 stage 1 with it, going on as one process would."""
+    legs = [(3, 2, 0, 2, True), (1, 1, 0, 1, False), (2, 2, 0, 1, False), (1, 2, 0, 1, True)]
+    results = pool.run(grid_round_trip, 4, str(tmp_path), legs, GAS, CLIP, model_name)
+    assert all(r["global_steps"] == 5 for r in results)
+    assert_matches(results, reference(model_name, [2, 2, 4, 2, 2], 5, GAS, CLIP, "SGD"), atol=1e-6)
+
+
 def test_save_16bit_model_and_consolidate_write_the_unsplit_model(pool, tmp_path):
     """From a TP2 x DP2 stage-3 run: engine.save_16bit_model gathers every slice, and
     ``zerodp consolidate`` writes the same full tensors from the checkpoint's files."""

@@ -346,21 +346,24 @@ def megatron_train(group, stage: int, tp: int, steps: int, clip: float) -> dict:
     return out
 
 
-def grid_round_trip(group, path: str, legs: list, gas: int, clip: float) -> dict:
-    """Train and checkpoint through several grids: each leg ``(stage, tp, hybrid, steps)`` builds
-    a fresh model and engine on that grid, loads the previous leg's checkpoint (but the first),
-    trains its steps and saves. Returns the last leg's whole parameters and every step's norm."""
+def grid_round_trip(group, path: str, legs: list, gas: int, clip: float, model_name: str = "gpt") -> dict:
+    """Train and checkpoint through several grids: each leg ``(stage, tp, hybrid, steps)`` (and
+    optionally ``sequence_parallel``) builds a fresh model and engine on that grid, loads the
+    previous leg's checkpoint (but the first), trains its steps and saves. Returns the last leg's
+    whole parameters and every step's norm."""
     norms, step = [], 0
-    for i, (stage, tp, hybrid, steps) in enumerate(legs):
-        model = build_gpt(seed=0 if i == 0 else 100 + i)  # later legs: every value must come from the checkpoint
-        cfg = config(stage, tp, dist.get_world_size() // tp, gas, clip, hybrid=hybrid, optimizer="SGD")
+    for i, (stage, tp, hybrid, steps, *rest) in enumerate(legs):
+        # later legs: every value must come from the checkpoint
+        model = MODELS[model_name](seed=0 if i == 0 else 100 + i)
+        cfg = config(stage, tp, dist.get_world_size() // tp, gas, clip, hybrid=hybrid, optimizer="SGD",
+                     sequence_parallel=bool(rest and rest[0]))
         engine, _, _, _ = zerodp.initialize(model=model, config=cfg)
         if i:
             engine.load_checkpoint(path)
         for _ in range(steps):
             for m in range(gas):
                 x, y = batch(step, engine.dp_rank, m)
-                engine.backward(engine(x, y)[1])
+                engine.backward(loss_of(model_name, forward(model_name, engine, x, y), y))
                 engine.step()
             norms.append(engine.get_global_grad_norm())
             step += 1
