@@ -213,20 +213,14 @@ def _style(split: Split):
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
-    if split.kind == "sequence_norm":
-        style = _styles()[SequenceParallel]()
-        style.split = split
-        return style
-    if split.kind == "head_norm":
-        style = _styles()["heads"](sequence_dim=2, use_local_output=True)
-        style.split = split
-        return style
-    if split.kind == "sequence_positions":
-        style = _styles()["positions"]()
-        style.split = split
-        return style
     kwargs: dict = {}
-    if split.kind in ("row", "vocab"):
+    if split.kind == "sequence_norm":
+        base = SequenceParallel
+    elif split.kind == "head_norm":
+        base, kwargs = "heads", {"sequence_dim": 2, "use_local_output": True}
+    elif split.kind == "sequence_positions":
+        base = "positions"
+    elif split.kind in ("row", "vocab"):
         base = RowwiseParallel
         if split.kind == "vocab" or split.whole_input:
             kwargs["input_layouts"] = Replicate()
