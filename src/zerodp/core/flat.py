@@ -372,13 +372,16 @@ class FlatGroup:
                 p.grad = grad_like(p, self.view(self.grad_full, i))
 
     def zero_gradients(self) -> None:
+        """Clear the gradients: ``p.grad`` is None afterwards at every stage, as in DeepSpeed (code
+        that reads ``.grad`` after a step, such as the Hugging Face Trainer's norm over mixed
+        ``DTensor`` meshes, sees no gradient rather than zeros). A full gradient buffer is zeroed and
+        kept: the next backward's gradients are added into it and ``.grad`` becomes its view again."""
         if self.grad_full is not None:
             self.grad_full.zero_()
-            self._bind_grads_to_full()
         else:
             self.grad_shard = None  # the next step's first reduction allocates it again
-            for p in self.params:
-                p.grad = None
+        for p in self.params:
+            p.grad = None
 
     def fold_param_grad_into(self, buffer: torch.Tensor, slot: int) -> None:
         """Move ``params[slot].grad`` into ``buffer`` (a full-size gradient buffer).
