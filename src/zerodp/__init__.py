@@ -144,7 +144,7 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
             "the outermost (stage s = global ranks s x world / stages onwards)")
     if user_loader and training_data.batch_size is not None:  # its batches are the engine's micro-batches
         world = grid.dp_size
-        micro = resolve_batch_sizes(cfg, world)[1]
+        micro = resolve_batch_sizes(cfg, world, grid.deepspeed_batch_ranks)[1]
         if micro != training_data.batch_size:
             raise ConfigError(
                 f"train_micro_batch_size_per_gpu: the config gives {micro} (world size {world}), but the "

@@ -8,6 +8,7 @@ import json
 import logging
 import math
 from pathlib import Path
+from typing import Optional
 
 from pydantic import ValidationError
 
@@ -141,10 +142,12 @@ def load_config(config: dict | str | Path | Config | None = None, preset: str | 
         raise ConfigError(message) from None
 
 
-def resolve_batch_sizes(cfg: Config, world_size: int) -> tuple[int, int, int]:
+def resolve_batch_sizes(cfg: Config, world_size: int,
+                        deepspeed_ranks: Optional[int] = None) -> tuple[int, int, int]:
     """Resolve ``(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps)``.
 
-    Follows DeepSpeed's rule ``train_batch_size = micro * gas * world_size``; ``"auto"`` and
+    Follows DeepSpeed's rule ``train_batch_size = micro * gas * world_size``, where ``world_size``
+    is the number of data-parallel ranks (ranks that see different batches); ``"auto"`` and
     null count as not given, and missing values are derived (gas defaults to 1). As in
     DeepSpeed, ``train_batch_size`` or ``train_micro_batch_size_per_gpu`` must be given: with
     neither (nothing, ``"auto"``, or only ``gradient_accumulation_steps``) the batch size is
@@ -152,6 +155,14 @@ def resolve_batch_sizes(cfg: Config, world_size: int) -> tuple[int, int, int]:
     launches the job to fill in (the Hugging Face Trainer, ``zerodp train``); ``zerodp.initialize``
     fills ``train_micro_batch_size_per_gpu`` from a ``torch.utils.data.DataLoader`` passed as
     ``training_data``.
+
+    ``deepspeed_ranks``: where DeepSpeed counts more ranks than that (tensor parallelism set by
+    ``tensor_parallel.autotp_size`` or ``tp_model_init``, without an ``mpu``: DeepSpeed counts every
+    rank of the world, the tensor-parallel ranks that share their batches included), a
+    ``train_batch_size`` given with both other values may also follow DeepSpeed's count, as the
+    Hugging Face Trainer's ``"auto"`` fills it. The returned ``train_batch_size`` is then the
+    samples a step takes (``micro * gas * world_size``). A missing value is always derived with
+    ``world_size``.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size: got {world_size!r}; allowed: an integer >= 1")
@@ -170,10 +181,17 @@ def resolve_batch_sizes(cfg: Config, world_size: int) -> tuple[int, int, int]:
         return tbs // divisor
 
     if tbs is not None and micro is not None and gas is not None:
-        if tbs != micro * gas * ws:
+        if deepspeed_ranks and deepspeed_ranks != ws and tbs == micro * gas * deepspeed_ranks:
+            logger.info("train_batch_size %d counts all %d ranks, as DeepSpeed does under AutoTP; the %d "
+                        "data-parallel ranks take %d samples per step (their tensor-parallel ranks share "
+                        "batches)", tbs, deepspeed_ranks, ws, micro * gas * ws)
+            tbs = micro * gas * ws
+        elif tbs != micro * gas * ws:
+            also = (f", nor x all {deepspeed_ranks} ranks as DeepSpeed counts them under AutoTP "
+                    f"(= {micro * gas * deepspeed_ranks})" if deepspeed_ranks and deepspeed_ranks != ws else "")
             raise ConfigError(
                 f"train_batch_size {tbs} != train_micro_batch_size_per_gpu {micro} x "
-                f"gradient_accumulation_steps {gas} x world_size {ws} (= {micro * gas * ws})")
+                f"gradient_accumulation_steps {gas} x world_size {ws} (= {micro * gas * ws}){also}")
     elif tbs is not None and micro is not None:
         gas = divide([("train_micro_batch_size_per_gpu", micro), ("world_size", ws)])
     elif tbs is not None and gas is not None:

@@ -149,7 +149,7 @@ class ZeroEngine(EngineAPI, nn.Module):
         self.zero_config = config.zero_optimization
         self.overlap_comm = config.zero_optimization.overlap_comm_effective
         (self._train_batch_size, self._micro_batch_size,
-         self._gas) = resolve_batch_sizes(config, self.dp_world_size)
+         self._gas) = resolve_batch_sizes(config, self.dp_world_size, self.grid.deepspeed_batch_ranks)
         self.device = default_device()
         self.precision = PrecisionPolicy.from_config(config)
         self.precision.cast_model(model)

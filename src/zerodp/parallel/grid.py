@@ -91,6 +91,15 @@ class Grid:
         return self.tensor.size
 
     @property
+    def deepspeed_batch_ranks(self) -> Optional[int]:
+        """How many ranks DeepSpeed counts in ``train_batch_size`` where that is not the data-parallel
+        size: tensor parallelism from the config or ``tp_model_init`` (no ``mpu``, no mesh, no
+        pipeline), where DeepSpeed counts every rank; else None."""
+        if self.source == "config" and self.tp_size > 1 and self.pipe.size == 1:
+            return self.everyone.size
+        return None
+
+    @property
     def dp_size(self) -> int:
         return self.data.size
 
