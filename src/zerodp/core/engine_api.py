@@ -158,6 +158,15 @@ class EngineAPI:
         from ..checkpoint.consolidate import consolidated_16bit_state_dict
         return consolidated_16bit_state_dict(self.checkpoint_view(), exclude_frozen_parameters)
 
+    def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
+        """DeepSpeed's name for the same, where parameters are split (stage 3 or tensor parallelism;
+        Accelerate calls it to save a model split by AutoTP); refused otherwise, as DeepSpeed does.
+        Every rank must call it."""
+        if not (self.policy.shard_parameters or self.grid.tp_size > 1):
+            raise ValueError("consolidated_16bit_state_dict is for split weights (stage 3 or tensor "
+                             "parallelism); here every rank holds the whole model: use module.state_dict()")
+        return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
+
     # -- DeepSpeed's engine queries --------------------------------------------------------
 
     def fp16_enabled(self) -> bool:
