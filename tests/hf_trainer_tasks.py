@@ -12,7 +12,11 @@ transformers allows), to OUT.json.
 
 CASE is ``plain`` or ``z<stage>`` followed by any of ``-bf16``, ``-fp16`` (with a linear schedule;
 ``-fp16-ovf``: a loss scale so large that the first step overflows and is skipped), ``-off`` (optimizer state
-offloaded to the CPU), ``-gas2`` (two micro-batches per step) and ``-pre`` (the model loaded with
+offloaded to the CPU), ``-gas2`` (two micro-batches per step), ``-tp2`` (the config's
+``tensor_parallel.autotp_size`` 2: transformers splits the model with ``tp_model_init``, and
+accelerate gives both ranks of a tensor-parallel pair the same batches), ``-half`` (one sample
+per device instead of two: a 4-rank run's reference for ``-tp2``), ``-nodrop`` (dropout off, which
+``-tp2`` implies: split layers draw other dropout masks than one process) and ``-pre`` (the model loaded with
 ``from_pretrained`` from a directory rank 0 saved it to, after the ``TrainingArguments``, so that
 at stage 3 transformers builds it inside ``deepspeed.zero.Init`` and loads the weights through
 ``GatheredParameters``; with ``-miss`` from a checkpoint that lacks two weights, which
@@ -63,13 +67,17 @@ def ds_config(stage: int, offload: bool) -> dict:
 
 def parse(case: str) -> dict:
     head, *flags = case.split("-")
-    unknown = set(flags) - {"bf16", "fp16", "ovf", "off", "gas2", "pre", "miss", "ckpt", "lora"}
+    unknown = set(flags) - {"bf16", "fp16", "ovf", "off", "gas2", "pre", "miss", "ckpt", "lora", "tp2", "half",
+                            "nodrop"}
     if unknown or not (head == "plain" or head in ("z0", "z1", "z2", "z3")):
         raise SystemExit(f"bad case {case!r}")
     ds = None if head == "plain" else ds_config(int(head[1]), "off" in flags)
     if ds is not None and "fp16" in flags:  # -ovf: a loss scale so large that the first step overflows
         ds["fp16"] = {"enabled": "auto", "initial_scale_power": 18 if "ovf" in flags else 4, "hysteresis": 1}
-    return {"ds": ds, "fp16": "fp16" in flags,
+    if ds is not None and "tp2" in flags:
+        ds["tensor_parallel"] = {"autotp_size": 2}
+    return {"ds": ds, "fp16": "fp16" in flags, "batch": 1 if "half" in flags else 2,
+            "dropout": not ({"tp2", "nodrop"} & set(flags)),
             "bf16": "bf16" in flags, "gas": 2 if "gas2" in flags else 1, "pre": "pre" in flags,
             "ckpt": "ckpt" in flags, "lora": "lora" in flags, "miss": "miss" in flags}
 
@@ -82,9 +90,10 @@ def reset() -> None:
     gc.collect()
 
 
-def build_model() -> GPT2LMHeadModel:
+def build_model(dropout: bool = True) -> GPT2LMHeadModel:
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2))
+    off = {} if dropout else {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2, **off))
 
 
 def make_trainer(case: str, out_dir: str, model: GPT2LMHeadModel | None = None) -> Trainer:
@@ -92,12 +101,13 @@ def make_trainer(case: str, out_dir: str, model: GPT2LMHeadModel | None = None) 
     if (spec["ckpt"] or spec["lora"]) and spec["ds"]:  # what the fine-tuning tools' ZeRO-3 configs say,
         spec["ds"]["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True  # so saves write weights
     if model is None and not spec["pre"]:
-        model = build_model()
+        model = build_model(spec["dropout"])
     if spec["lora"]:
         from peft import LoraConfig, get_peft_model
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.0))
     args = TrainingArguments(
-        output_dir=os.path.join(out_dir, case), per_device_train_batch_size=2, per_device_eval_batch_size=2,
+        output_dir=os.path.join(out_dir, case), per_device_train_batch_size=spec["batch"],
+        per_device_eval_batch_size=spec["batch"],
         gradient_accumulation_steps=spec["gas"], max_steps=3, logging_steps=1, learning_rate=1e-3,
         lr_scheduler_type="linear" if spec["fp16"] else "constant", bf16=spec["bf16"], fp16=spec["fp16"],
         deepspeed=spec["ds"], use_cpu=True,
@@ -180,6 +190,8 @@ def run_case(case: str, out_dir: str) -> dict:
     result["grad_norm"] = [float(h["grad_norm"]) for h in trainer.state.log_history if "grad_norm" in h]
     result["eval_after"] = trainer.evaluate()["eval_loss"]
     result["learning_rate"] = [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h]
+    from torch.distributed.tensor import DTensor
+    result["split"] = any(isinstance(p, DTensor) for p in trainer.model.parameters())
     if case in BUILT_IN_INIT:
         result["built_in_init"] = BUILT_IN_INIT[case]
     reset()

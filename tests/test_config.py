@@ -139,6 +139,25 @@ def test_batch_two_given_derives_third():
     assert "train_batch_size 10" in msg and "gradient_accumulation_steps 3" in msg and "6" in msg
 
 
+def test_batch_counted_over_every_rank_as_deepspeed_does_under_autotp():
+    """TP from the config or tp_model_init: DeepSpeed counts all 8 ranks in train_batch_size (what the
+    Hugging Face Trainer's "auto" writes), the 4 data-parallel ranks take the samples. All three given:
+    either count is accepted and the samples a step takes come back; a missing one is derived with
+    the data-parallel size; a value neither count explains is refused naming both."""
+    cfg = load_quietly(dict(train_batch_size=16, train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=1))
+    assert resolve_batch_sizes(cfg, 4, deepspeed_ranks=8) == (8, 2, 1)
+    with pytest.raises(ConfigError):
+        resolve_batch_sizes(cfg, 4)
+    cfg = load_quietly(dict(train_batch_size=8, train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=1))
+    assert resolve_batch_sizes(cfg, 4, deepspeed_ranks=8) == (8, 2, 1)
+    assert resolve_batch_sizes(load_quietly(dict(train_batch_size=16, train_micro_batch_size_per_gpu=2)),
+                               4, deepspeed_ranks=8) == (16, 2, 2)
+    cfg = load_quietly(dict(train_batch_size=12, train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=1))
+    with pytest.raises(ConfigError) as info:
+        resolve_batch_sizes(cfg, 4, deepspeed_ranks=8)
+    assert "world_size 4 (= 8)" in str(info.value) and "all 8 ranks" in str(info.value) and "16" in str(info.value)
+
+
 def test_batch_only_train_batch_size():
     assert batch(4, train_batch_size=32) == (32, 8, 1)
     with pytest.raises(ConfigError) as info:

@@ -2,7 +2,8 @@
 exactly as the plain Trainer (DDP) does: per-step loss and gradient norm, and evaluation
 before and after training, at stages 0-3, with optimizer offload, with gradient accumulation, in
 fp32 and bf16. One 2-rank torchrun job runs every case (``hf_trainer_tasks.py``) in the
-environment without DeepSpeed (``no_deepspeed_python``)."""
+environment without DeepSpeed (``no_deepspeed_python``); a 4-rank job runs the config's AutoTP
+(``tensor_parallel.autotp_size`` 2) against the plain Trainer on the same samples."""
 from __future__ import annotations
 
 import json
@@ -27,19 +28,29 @@ CASES = ["plain", *FP32, "plain-gas2", *GAS, "plain-bf16", *BF16, *PRETRAINED, "
          *FP16, *MISSING]
 
 
-@pytest.fixture(scope="module")
-def results(no_deepspeed_python, tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("hf_trainer") / "results.json"
+# 4 ranks: tensor parallelism over pairs, and the reference with one sample per device (the same 4 samples a step)
+TP_REFERENCE = "plain-half-nodrop"
+TP = ["z0-tp2", "z1-tp2", "z2-tp2", "z3-tp2"]
+TP_CHECKPOINTS = ["z1-tp2-ckpt", "z3-tp2-ckpt"]
+
+
+def run_cases(python: str, tmp: Path, cases: list[str], ranks: int) -> dict:
+    out = tmp / "results.json"
     env = dict(os.environ, ZERODP_AS_DEEPSPEED="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p))
-    proc = subprocess.run([no_deepspeed_python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(HERE / "hf_trainer_tasks.py"), str(out), *CASES],
+    proc = subprocess.run([python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+                           str(HERE / "hf_trainer_tasks.py"), str(out), *cases],
                           env=env, capture_output=True, text=True, timeout=600)
     # judged by what rank 0 reported: an abort at exit after that is not this test's subject
     assert out.exists(), (proc.stdout + proc.stderr)[-5000:]
     found = json.loads(out.read_text())
-    assert sorted(found) == sorted(CASES)
+    assert sorted(found) == sorted(cases)
     return found
+
+
+@pytest.fixture(scope="module")
+def results(no_deepspeed_python, tmp_path_factory) -> dict:
+    return run_cases(no_deepspeed_python, tmp_path_factory.mktemp("hf_trainer"), CASES, 2)
 
 
 def close(a: list[float], b: list[float], rel: float) -> bool:
@@ -135,3 +146,35 @@ def test_bf16_every_stage_the_same_and_near_the_plain_trainer(results, case):
     same_run(results[case], results["z0-bf16"], rel=1e-5)
     same_run(results[case], results["plain-bf16"], rel=1e-2)
     assert "eval_before" in results[case] or not case.startswith("z3")
+
+
+@pytest.fixture(scope="module")
+def tp_results(no_deepspeed_python, tmp_path_factory) -> dict:
+    return run_cases(no_deepspeed_python, tmp_path_factory.mktemp("hf_trainer_tp"),
+                     [TP_REFERENCE, *TP, *TP_CHECKPOINTS], 4)
+
+
+@pytest.mark.parametrize("case", TP)
+def test_trainer_with_autotp_equals_plain_trainer(tp_results, case):
+    """``"tensor_parallel": {"autotp_size": 2}`` in the Trainer's DeepSpeed config, 4 ranks:
+    transformers splits the model (``tp_model_init``), accelerate gives each pair the same batches,
+    and every step's loss and gradient norm and the evaluation equal the plain Trainer's on the
+    same 4 samples a step (one per device on 4 ranks). The Trainer fills ``train_batch_size`` as
+    DeepSpeed counts it under AutoTP (every rank: 8, not the 4 samples a step takes), and reads the
+    gradient norm after the engine's step, when no ``.grad`` may be left (zeros would make it 0)."""
+    got = tp_results[case]
+    assert got["split"] and not tp_results[TP_REFERENCE]["split"]
+    same_run(got, tp_results[TP_REFERENCE], rel=1e-5)
+
+
+@pytest.mark.parametrize("case", TP_CHECKPOINTS)
+def test_save_resume_and_generate_with_autotp(tp_results, case):
+    """Under AutoTP, a checkpoint saved during training resumes a new Trainer to the same last step,
+    and ``save_model`` (Accelerate calls ``_consolidated_16bit_state_dict``, which puts the
+    tensor-parallel slices together) writes weights that, loaded without DeepSpeed, evaluate and
+    generate as the trained engine did."""
+    r = tp_results[case]
+    assert close(r["loss"], tp_results[TP_REFERENCE]["loss"], 1e-5)
+    assert close(r["resumed_loss"], r["loss"], 1e-5)
+    assert close([r["saved_eval"]], [r["eval_after"]], 1e-5)
+    assert r["generated"] == r["saved_generated"] and len(r["generated"][0]) == 9
