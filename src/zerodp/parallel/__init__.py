@@ -150,6 +150,8 @@ class TensorParallel:
         self.hooks = [m.register_forward_hook(_count_hook(self.comm, split))
                       for m in model.modules() if (split := getattr(m, SPLIT_ATTR, None)) is not None]
         self.loss_parallel = _has(model, "loss_parallel")
+        if self.loss_parallel:
+            self.hooks += _loss_parallel_hooks(model)
 
     def region(self):
         """The context the engine's forward and backward run in: torch's ``loss_parallel()`` when the
@@ -159,7 +161,8 @@ class TensorParallel:
 
     def outputs(self, out: Any) -> Any:
         """The forward's outputs with every replicated ``DTensor`` (the loss computed on split logits)
-        made a plain tensor; split logits stay ``DTensor`` s (``.full_tensor()`` gives them whole)."""
+        made a plain tensor (a one-element one, the loss, a copy that may be changed in place); split
+        logits stay ``DTensor`` s (``.full_tensor()`` gives them whole)."""
         return _local_outputs(out) if self.loss_parallel else out
 
     def check_inputs(self, args: Any, kwargs: Any) -> None:
@@ -193,6 +196,29 @@ class TensorParallel:
         self.hooks = []
 
 
+def _loss_parallel_hooks(model: nn.Module) -> list:
+    """Hooks that run a call of the model itself (not through the engine: the Trainer's ``evaluate``,
+    ``generate``) inside ``loss_parallel()`` too, and give back its replicated outputs (the loss) as
+    plain tensors, as the engine's forward does."""
+    entered: list[Optional[contextlib.ExitStack]] = []
+
+    def pre_forward(module, args):
+        stack = None
+        if not _loss_ops_on():
+            stack = contextlib.ExitStack()
+            stack.enter_context(_loss_parallel_region())
+        entered.append(stack)
+
+    def post_forward(module, args, output):
+        stack = entered.pop() if entered else None
+        if stack is not None:
+            stack.close()
+        return _local_outputs(output)
+
+    return [model.register_forward_pre_hook(pre_forward),
+            model.register_forward_hook(post_forward, always_call=True)]
+
+
 def _loss_ops_on() -> bool:
     """Whether torch's loss-parallel operators are on (a ``loss_parallel()`` around this call)."""
     try:
@@ -223,7 +249,10 @@ def _loss_parallel_region():
 def _local_outputs(x: Any) -> Any:
     from .tensor import _is_dtensor
     if _is_dtensor(x):
-        return x.to_local() if all(p.is_replicate() for p in x.placements) else x
+        if not all(p.is_replicate() for p in x.placements):
+            return x
+        local = x.to_local()  # a view made by a custom Function, which autograd forbids changing in place:
+        return local.clone() if local.numel() == 1 else local  # a loss is a copy (the Trainer's ``loss *= ...``)
     if isinstance(x, dict):  # transformers' ModelOutput too: its items set in place
         for k in list(x.keys()):
             x[k] = _local_outputs(x[k])
