@@ -14,7 +14,8 @@ CASE is ``plain`` or ``z<stage>`` followed by any of ``-bf16``, ``-fp16`` (with 
 ``-fp16-ovf``: a loss scale so large that the first step overflows and is skipped), ``-off`` (optimizer state
 offloaded to the CPU), ``-gas2`` (two micro-batches per step), ``-tp2`` (the config's
 ``tensor_parallel.autotp_size`` 2: transformers splits the model with ``tp_model_init``, and
-accelerate gives both ranks of a tensor-parallel pair the same batches), ``-half`` (one sample
+accelerate gives both ranks of a tensor-parallel pair the same batches; with ``-sp`` and ``-lp``
+the config's ``sequence_parallel`` and ``loss_parallel`` too), ``-half`` (one sample
 per device instead of two: a 4-rank run's reference for ``-tp2``), ``-nodrop`` (dropout off, which
 ``-tp2`` implies: split layers draw other dropout masks than one process) and ``-pre`` (the model loaded with
 ``from_pretrained`` from a directory rank 0 saved it to, after the ``TrainingArguments``, so that
@@ -68,14 +69,14 @@ def ds_config(stage: int, offload: bool) -> dict:
 def parse(case: str) -> dict:
     head, *flags = case.split("-")
     unknown = set(flags) - {"bf16", "fp16", "ovf", "off", "gas2", "pre", "miss", "ckpt", "lora", "tp2", "half",
-                            "nodrop"}
+                            "nodrop", "sp", "lp"}
     if unknown or not (head == "plain" or head in ("z0", "z1", "z2", "z3")):
         raise SystemExit(f"bad case {case!r}")
     ds = None if head == "plain" else ds_config(int(head[1]), "off" in flags)
     if ds is not None and "fp16" in flags:  # -ovf: a loss scale so large that the first step overflows
         ds["fp16"] = {"enabled": "auto", "initial_scale_power": 18 if "ovf" in flags else 4, "hysteresis": 1}
     if ds is not None and "tp2" in flags:
-        ds["tensor_parallel"] = {"autotp_size": 2}
+        ds["tensor_parallel"] = {"autotp_size": 2, "sequence_parallel": "sp" in flags, "loss_parallel": "lp" in flags}
     return {"ds": ds, "fp16": "fp16" in flags, "batch": 1 if "half" in flags else 2,
             "dropout": not ({"tp2", "nodrop"} & set(flags)),
             "bf16": "bf16" in flags, "gas": 2 if "gas2" in flags else 1, "pre": "pre" in flags,

@@ -30,7 +30,7 @@ CASES = ["plain", *FP32, "plain-gas2", *GAS, "plain-bf16", *BF16, *PRETRAINED, "
 
 # 4 ranks: tensor parallelism over pairs, and the reference with one sample per device (the same 4 samples a step)
 TP_REFERENCE = "plain-half-nodrop"
-TP = ["z0-tp2", "z1-tp2", "z2-tp2", "z3-tp2"]
+TP = ["z0-tp2", "z1-tp2", "z2-tp2", "z3-tp2", "z2-tp2-sp", "z3-tp2-lp", "z1-tp2-sp-lp"]
 TP_CHECKPOINTS = ["z1-tp2-ckpt", "z3-tp2-ckpt"]
 
 
@@ -161,7 +161,9 @@ def test_trainer_with_autotp_equals_plain_trainer(tp_results, case):
     and every step's loss and gradient norm and the evaluation equal the plain Trainer's on the
     same 4 samples a step (one per device on 4 ranks). The Trainer fills ``train_batch_size`` as
     DeepSpeed counts it under AutoTP (every rank: 8, not the 4 samples a step takes), and reads the
-    gradient norm after the engine's step, when no ``.grad`` may be left (zeros would make it 0)."""
+    gradient norm after the engine's step, when no ``.grad`` may be left (zeros would make it 0).
+    The config's ``sequence_parallel`` and ``loss_parallel`` reach the split too (``-sp``, ``-lp``):
+    the loss on split logits comes back a plain tensor the Trainer may scale in place."""
     got = tp_results[case]
     assert got["split"] and not tp_results[TP_REFERENCE]["split"]
     same_run(got, tp_results[TP_REFERENCE], rel=1e-5)
