@@ -20,14 +20,14 @@ HERE = Path(__file__).parent
 SRC = str(HERE.parent / "src")
 
 
-def run_sft(python: str, work: Path, config: Path, out: str) -> subprocess.CompletedProcess:
+def run_sft(python: str, work: Path, config: Path, out: str, ranks: int = 2) -> subprocess.CompletedProcess:
     import trl
     script = Path(trl.__file__).parent / "scripts" / "sft.py"
     env = dict(os.environ, ZERODP_AS_DEEPSPEED="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
                PYTHONPATH=os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p))
     cmd = [python, "-c", "from zerodp.tools.cli import main; raise SystemExit(main())",
-           "launch", "--num_gpus", "2", str(script),
+           "launch", "--num_gpus", str(ranks), str(script),
            "--model_name_or_path", "model", "--dataset_name", "data", "--output_dir", out, "--max_steps", "3",
            "--per_device_train_batch_size", "2", "--logging_steps", "1", "--learning_rate", "1e-3",
            "--bf16", "False", "--use_cpu", "--report_to", "none", "--save_strategy", "no", "--max_length", "16",
@@ -64,6 +64,41 @@ def test_trl_sft_script_runs_unchanged_with_a_shipped_zero3_config(runs):
     assert sorted(z3) == sorted(start) and set(z3) <= set(z0)
     assert all(torch.allclose(z3[k], z0[k], rtol=1e-5, atol=1e-6) for k in z3)
     assert any(not torch.equal(z3[k], start[k]) for k in z3)  # it trained
+
+
+def test_trl_sft_script_with_autotp_equals_stage_0(no_deepspeed_python, tmp_path):
+    """The same script with the shipped config at stage 2 (optimizer offloaded) and
+    ``"tensor_parallel": {"autotp_size": 2}`` on 4 ranks (transformers splits the model, Accelerate
+    gives each pair the same batches: the same 4 samples a step as 2 ranks without it) saves the
+    weights of the script at stage 0 on 2 ranks, put together from the slices. Dropout is off in
+    this model: split layers draw other dropout masks. (At stage 3 transformers itself refuses
+    ``from_pretrained`` under AutoTP, "Weight conversions ... with DeepSpeed Tensor Parallelism".)"""
+    from safetensors.torch import load_file
+    from trl_tasks import model, sentences, tokenizer
+    built = model()
+    built.config.update({"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0})
+    built.save_pretrained(tmp_path / "model")
+    tokenizer().save_pretrained(tmp_path / "model")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text(
+        "".join(json.dumps({"text": s}) + "\n" for s in sentences(32, 12, 1)))
+    shipped = json.loads((HERE / "hf_configs" / "ds_z3_config.json").read_text())
+    configs = {"z0": {"stage": 0}, "z2tp": {"stage": 2, "offload_optimizer": {"device": "cpu"},
+                                            "stage3_gather_16bit_weights_on_model_save": True}}
+    for name, zero in configs.items():
+        config = copy.deepcopy(shipped)
+        config["zero_optimization"] = zero
+        if name == "z2tp":
+            config["tensor_parallel"] = {"autotp_size": 2}
+        (tmp_path / f"{name}.json").write_text(json.dumps(config))
+        proc = run_sft(no_deepspeed_python, tmp_path, tmp_path / f"{name}.json", f"out_{name}",
+                       ranks=4 if name == "z2tp" else 2)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    z0, tp = (load_file(tmp_path / f"out_{name}" / "model.safetensors") for name in ("z0", "z2tp"))
+    start = load_file(tmp_path / "model" / "model.safetensors")
+    assert sorted(tp) == sorted(start)
+    assert all(tp[k].shape == z0[k].shape and torch.allclose(tp[k], z0[k], rtol=1e-5, atol=1e-6) for k in tp)
+    assert any(not torch.equal(tp[k], start[k]) for k in tp)  # it trained
 
 
 def test_accelerate_launch_with_a_deepspeed_config(no_deepspeed_python, tmp_path):
