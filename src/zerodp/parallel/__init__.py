@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..core.collectives import Comm, CommCounter
+from .adapters import base_model
 from .grid import Grid, GridError, build_grid, grid_from_mesh, grid_from_mpu
 from .plans import check_heads, localize, plan_for, with_loss_parallel, with_sequence_parallel
 from .tensor import Split, TensorParallelError, TPSlice, apply_plan, model_slices
@@ -107,17 +108,18 @@ def tensor_parallelize(model: nn.Module, grid: Grid, partition_config: Optional[
     logits left split for the loss and the activations split along the sequence where asked;
     returns the plan, module name -> split."""
     tp = grid.tp_size
-    check_heads(model, tp)
-    plan = plan_for(model, partition_config)
+    inner = base_model(model)  # PEFT's wrapped model: the one the plan names
+    check_heads(inner, tp)
+    plan = plan_for(inner, partition_config)
     if sequence_parallel:
-        plan = with_sequence_parallel(model, plan, partition_config)
+        plan = with_sequence_parallel(inner, plan, partition_config)
     if loss_parallel:
         plan = with_loss_parallel(plan)
-    plan = apply_plan(model, plan, grid.tp_mesh)
-    modules = dict(model.named_modules())
+    plan = apply_plan(inner, plan, grid.tp_mesh)
+    modules = dict(inner.named_modules())
     for name, split in plan.items():
         setattr(modules[name], SPLIT_ATTR, split)
-    localize(model, tp)
+    localize(inner, tp)
     setattr(model, GRID_ATTR, grid)
     return plan
 
