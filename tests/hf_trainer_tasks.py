@@ -105,7 +105,8 @@ def make_trainer(case: str, out_dir: str, model: GPT2LMHeadModel | None = None) 
         model = build_model(spec["dropout"])
     if spec["lora"]:
         from peft import LoraConfig, get_peft_model
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.0))
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj", "c_fc"],
+                                                 lora_dropout=0.0))
     args = TrainingArguments(
         output_dir=os.path.join(out_dir, case), per_device_train_batch_size=spec["batch"],
         per_device_eval_batch_size=spec["batch"],
@@ -162,6 +163,9 @@ def run_lora_case(case: str, out_dir: str) -> dict:
     trainer = make_trainer(case, out_dir)
     trainer.train()
     result = {"loss": losses(trainer), "eval_after": trainer.evaluate()["eval_loss"]}
+    from torch.distributed.tensor import DTensor
+    result["adapter_split"] = any(isinstance(p, DTensor) and p.placements[0].is_shard()
+                                  for n, p in trainer.model.named_parameters() if "lora_" in n)
     trainer.save_model(os.path.join(here, "adapter"))
     reset()
     torch.distributed.barrier()  # rank 0 has written the adapter

@@ -33,6 +33,8 @@ TP_REFERENCE = "plain-half-nodrop"
 TP = ["z0-tp2", "z1-tp2", "z2-tp2", "z3-tp2", "z2-tp2-sp", "z3-tp2-lp", "z1-tp2-sp-lp"]
 TP_CHECKPOINTS = ["z1-tp2-ckpt", "z3-tp2-ckpt"]
 TP_BF16 = ["plain-bf16-half-nodrop", "z2-tp2-bf16", "z3-tp2-bf16"]
+TP_LORA_REFERENCE = "plain-lora-half-nodrop"
+TP_LORA = ["z2-tp2-lora", "z3-tp2-sp-lora", "z1-tp2-lp-lora"]
 
 
 def run_cases(python: str, tmp: Path, cases: list[str], ranks: int) -> dict:
@@ -152,7 +154,7 @@ def test_bf16_every_stage_the_same_and_near_the_plain_trainer(results, case):
 @pytest.fixture(scope="module")
 def tp_results(no_deepspeed_python, tmp_path_factory) -> dict:
     return run_cases(no_deepspeed_python, tmp_path_factory.mktemp("hf_trainer_tp"),
-                     [TP_REFERENCE, *TP, *TP_CHECKPOINTS, *TP_BF16], 4)
+                     [TP_REFERENCE, *TP, *TP_CHECKPOINTS, *TP_BF16, TP_LORA_REFERENCE, *TP_LORA], 4)
 
 
 @pytest.mark.parametrize("case", TP)
@@ -190,3 +192,16 @@ def test_trainer_with_autotp_in_bf16(tp_results):
     assert z2["split"]
     same_run(z3, z2, rel=1e-5)
     same_run(z2, tp_results["plain-bf16-half-nodrop"], rel=1e-2)
+
+
+@pytest.mark.parametrize("case", TP_LORA)
+def test_peft_lora_with_autotp(tp_results, case):
+    """A PEFT LoRA model (adapters on GPT-2's fused q/k/v, MLP-in and both output layers) under AutoTP,
+    also with sequence or loss parallelism: each adapter splits with its layer (``lora_B`` with a
+    column split, ``lora_A`` with a row split), every loss and the evaluation equal the plain
+    Trainer's LoRA run on the same samples, and the adapter ``save_model`` writes (its slices put
+    together), reloaded onto the base model without DeepSpeed, evaluates as the trained engine did."""
+    got, want = tp_results[case], tp_results[TP_LORA_REFERENCE]
+    assert got["adapter_split"] and not want["adapter_split"]
+    assert close(got["loss"], want["loss"], 1e-5) and close([got["eval_after"]], [want["eval_after"]], 1e-5)
+    assert close([got["saved_eval"]], [got["eval_after"]], 1e-5)
