@@ -5,8 +5,10 @@
 CASE is ``<trainer>-<stage>``: trainer ``sft`` (``SFTTrainer``), ``dpo`` (``DPOTrainer`` with a
 reference model, which TRL puts in an engine without optimizer: at stage 3 sharded, below it at
 stage 0) or ``grpo`` (``GRPOTrainer``, which generates completions with the model being trained);
-stage ``plain`` (no DeepSpeed: the reference) or 0-3. A tiny GPT-2 and a word-level tokenizer are
-built locally; every case trains three steps in fp32 on fixed text. Rank 0 writes the logged
+stage ``plain`` (no DeepSpeed: the reference) or 0-3; then optionally ``-tp2`` (the config's
+``tensor_parallel.autotp_size`` 2; dropout off, as split layers draw other masks) or ``-half`` (one
+sample per device, dropout off: a 4-rank run's reference for ``-tp2``). A tiny GPT-2 and a
+word-level tokenizer are built locally; every case trains three steps in fp32 on fixed text. Rank 0 writes the logged
 loss of every step, per case, to OUT.json.
 """
 from __future__ import annotations
@@ -38,15 +40,25 @@ def model() -> GPT2LMHeadModel:
                                       pad_token_id=96, eos_token_id=97, bos_token_id=99))
 
 
+def model_without_dropout() -> GPT2LMHeadModel:
+    built = model()
+    built.config.update({"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0})
+    for m in built.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    return built
+
+
 def sentences(n: int, length: int, seed: int) -> list[str]:
     g = torch.Generator().manual_seed(seed)
     return [" ".join(WORDS[int(i)] for i in torch.randint(0, 96, (length,), generator=g)) for _ in range(n)]
 
 
-def ds_config(stage: str) -> dict | None:
+def ds_config(stage: str, tp: bool = False) -> dict | None:
     if stage == "plain":
         return None
-    return {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+    return {**({"tensor_parallel": {"autotp_size": 2}} if tp else {}),
+            "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
             "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
             "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
                                                       "weight_decay": "auto"}},
@@ -60,24 +72,26 @@ def reward_length(completions, **kwargs) -> list[float]:
 def run_case(case: str, out_dir: str) -> list[float]:
     from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 
-    kind, stage = case.split("-")
-    common = dict(output_dir=os.path.join(out_dir, case), per_device_train_batch_size=2, max_steps=3,
-                  logging_steps=1, learning_rate=1e-3, lr_scheduler_type="constant", use_cpu=True, bf16=False,
-                  save_strategy="no", report_to=[], disable_tqdm=True, deepspeed=ds_config(stage))
+    kind, stage, *flags = case.split("-")
+    tp, half = "tp2" in flags, "half" in flags
+    common = dict(output_dir=os.path.join(out_dir, case), per_device_train_batch_size=1 if half else 2,
+                  max_steps=3, logging_steps=1, learning_rate=1e-3, lr_scheduler_type="constant", use_cpu=True,
+                  bf16=False, save_strategy="no", report_to=[], disable_tqdm=True, deepspeed=ds_config(stage, tp))
+    build = model_without_dropout if tp or half else model
     if kind == "sft":
         data = Dataset.from_dict({"text": sentences(16, 12, 1)})
-        trainer = SFTTrainer(model=model(), args=SFTConfig(max_length=16, **common), train_dataset=data,
+        trainer = SFTTrainer(model=build(), args=SFTConfig(max_length=16, **common), train_dataset=data,
                              processing_class=tokenizer())
     elif kind == "dpo":
         data = Dataset.from_dict({"prompt": sentences(16, 4, 2), "chosen": sentences(16, 4, 3),
                                   "rejected": sentences(16, 4, 4)})
-        trainer = DPOTrainer(model=model(), ref_model=model(), args=DPOConfig(max_length=16, **common),
+        trainer = DPOTrainer(model=build(), ref_model=build(), args=DPOConfig(max_length=16, **common),
                              train_dataset=data, processing_class=tokenizer())
     elif kind == "grpo":
         data = Dataset.from_dict({"prompt": sentences(16, 4, 5)})
         saved = os.path.join(out_dir, "grpo_model")  # GRPOTrainer loads its model by name or path
         if int(os.environ.get("RANK", "0")) == 0:
-            model().save_pretrained(saved)
+            build().save_pretrained(saved)
         args = GRPOConfig(num_generations=2, max_completion_length=6, generation_batch_size=4, beta=0.1,
                           seed=0, **common)
         torch.distributed.barrier()  # (the group the arguments started) rank 0 has saved the model
