@@ -21,10 +21,10 @@ import torch
 from torch import nn
 
 from ..core.collectives import Comm, CommCounter
-from .adapters import base_model
+from .adapters import base_model, expand_adapters
 from .grid import Grid, GridError, build_grid, grid_from_mesh, grid_from_mpu
 from .plans import check_heads, localize, plan_for, with_loss_parallel, with_sequence_parallel
-from .tensor import Split, TensorParallelError, TPSlice, apply_plan, model_slices
+from .tensor import Split, TensorParallelError, TPSlice, apply_plan, model_slices, resolve_plan
 
 __all__ = ["Grid", "GridError", "TensorParallel", "TensorParallelError", "TPSlice", "Split", "grid_for",
            "tensor_parallelize", "tp_model_init", "model_slices"]
@@ -115,7 +115,7 @@ def tensor_parallelize(model: nn.Module, grid: Grid, partition_config: Optional[
         plan = with_sequence_parallel(inner, plan, partition_config)
     if loss_parallel:
         plan = with_loss_parallel(plan)
-    plan = apply_plan(inner, plan, grid.tp_mesh)
+    plan = apply_plan(inner, expand_adapters(inner, resolve_plan(inner, plan)), grid.tp_mesh)
     modules = dict(inner.named_modules())
     for name, split in plan.items():
         setattr(modules[name], SPLIT_ATTR, split)

@@ -339,10 +339,8 @@ def _partition(module: nn.Module, split: Split, mesh) -> None:
 
 def resolve_plan(model: nn.Module, plan: dict[str, Split]) -> dict[str, Split]:
     """The plan's patterns (module names; ``*`` matches one name component, as in
-    ``transformers``' plans) matched to the model's modules: module name -> split, with PEFT's LoRA
-    layers split with their adapters (``adapters.py``). A pattern that matches nothing is an error
-    naming it."""
-    from .adapters import expand_adapters
+    ``transformers``' plans) matched to the model's modules: module name -> split. A pattern
+    that matches nothing is an error naming it."""
     names = [n for n, _ in model.named_modules() if n]
     out: dict[str, Split] = {}
     for pattern, split in plan.items():
@@ -352,7 +350,7 @@ def resolve_plan(model: nn.Module, plan: dict[str, Split]) -> dict[str, Split]:
             raise TensorParallelError(f"tensor-parallel plan: {pattern!r} matches no module of the model")
         for n in hits:
             out[n] = split
-    return expand_adapters(model, out)
+    return out
 
 
 def split_parameters(model: nn.Module, plan: dict[str, Split]) -> list[nn.Parameter]:
