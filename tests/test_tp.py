@@ -86,6 +86,16 @@ def test_the_grid_from_a_device_mesh_or_tp_model_init(pool, grid_from):
     assert_matches(results, reference("gpt", 2, STEPS, GAS, CLIP, "SGD"), atol=1e-6)
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_an_optimizer_built_on_the_unsplit_model(pool, stage):
+    """A script that builds its optimizer before ``initialize`` splits the model (Accelerate's
+    ``prepare(model, optimizer)`` with the config's ``autotp_size``) trains the split model: the
+    optimizer's parameters, tied weight included, are taken as the ones that replaced them."""
+    results = pool.run(train, 4, "gpt", stage, 2, STEPS, gas=GAS, clip=CLIP, optimizer_name="SGD",
+                       client_optimizer=True)
+    assert_matches(results, reference("gpt", 2, STEPS, GAS, CLIP, "SGD"), atol=1e-6)
+
+
 def test_heads_that_do_not_split_are_refused_naming_the_layer(pool):
     from tp_tasks import refused_split
     errors = pool.run(refused_split, 4, 2, 4)

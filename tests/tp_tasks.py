@@ -160,10 +160,12 @@ def whole_params(engine) -> dict[str, torch.Tensor]:
 def train(group, model_name: str, stage: int, tp: int, steps: int, gas: int = 1, clip: float = 0.0,
           dtype: str = "fp32", hybrid: int = 0, offload: bool = False, plain_loop: bool = False,
           optimizer_name: str = "AdamW", grid_from: str = "config", loss_parallel: bool = False,
-          sequence_parallel: bool = False) -> dict:
+          sequence_parallel: bool = False, client_optimizer: bool = False) -> dict:
     """Worker task on every rank of the pool's world: train on the grid, return whole parameters,
     the gradient norms, the grid's facts, memory and traffic. ``grid_from``: the config's
-    ``autotp_size``, a ``DeviceMesh`` passed as ``mesh_param`` (``"mesh"``), or ``tp_model_init``."""
+    ``autotp_size``, a ``DeviceMesh`` passed as ``mesh_param`` (``"mesh"``), or ``tp_model_init``.
+    ``client_optimizer``: the optimizer is built by the script on the unsplit model and passed to
+    ``initialize`` (instead of the config's)."""
     world = dist.get_world_size()
     dp = world // tp
     model = MODELS[model_name]()
@@ -176,6 +178,10 @@ def train(group, model_name: str, stage: int, tp: int, steps: int, gas: int = 1,
     elif grid_from == "tp_model_init":
         del cfg["tensor_parallel"]
         model = zerodp.tp_model_init(model, tp_size=tp, dtype=torch.float32)
+    if client_optimizer:
+        del cfg["optimizer"]
+        cls, hyper = OPTIMIZERS[optimizer_name]
+        kwargs["optimizer"] = cls(model.parameters(), **hyper)
     engine, optimizer, _, _ = zerodp.initialize(model=model, config=cfg, **kwargs)
     dp_rank = engine.dp_rank
     norms = []

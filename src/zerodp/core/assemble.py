@@ -28,8 +28,11 @@ def as_tensor_list(params) -> list:
             for p in params]
 
 
-def user_param_groups(module: nn.Module, model_parameters, optimizer) -> list[dict]:
-    """The optimizer param groups as dicts of {"params": [...], hyperparameters...}."""
+def user_param_groups(module: nn.Module, model_parameters, optimizer,
+                      replaced: Optional[dict[int, nn.Parameter]] = None) -> list[dict]:
+    """The optimizer param groups as dicts of {"params": [...], hyperparameters...}. ``replaced``
+    (``id(old) -> new``): parameters the model no longer holds, taken as the ones that replaced
+    them (an optimizer built before ``initialize`` split the model over its tensor axis)."""
     if isinstance(optimizer, torch.optim.Optimizer):
         if model_parameters is not None:
             warnings.warn("zerodp uses the param groups of the optimizer passed in; "
@@ -42,9 +45,10 @@ def user_param_groups(module: nn.Module, model_parameters, optimizer) -> list[di
     else:
         groups = [{"params": [p for p in module.parameters() if p.requires_grad]}]
     model_ids = {id(p) for p in module.parameters()}
+    replaced = replaced or {}
     seen: dict[int, int] = {}
     for gi, g in enumerate(groups):
-        g["params"] = as_tensor_list(g["params"])
+        g["params"] = [p if id(p) in model_ids else replaced.get(id(p), p) for p in as_tensor_list(g["params"])]
         for p in g["params"]:
             if not isinstance(p, torch.Tensor) or id(p) not in model_ids:
                 what = f"a tensor of shape {tuple(p.shape)}" if isinstance(p, torch.Tensor) \

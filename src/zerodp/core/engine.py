@@ -46,7 +46,7 @@ from torch import nn
 
 from ..config import Config, ConfigError, resolve_batch_sizes
 from ..offload import OptimizerOffload, ParamOffload, group_cap
-from ..parallel import TensorParallel, model_slices
+from ..parallel import TensorParallel, model_slices, replaced_parameters
 from ..parallel.grid import Grid, build_grid
 from . import live
 from .assemble import (
@@ -181,7 +181,8 @@ class ZeroEngine(EngineAPI, nn.Module):
                               "a compiled graph does not call); use stage 0-2 with the compiled model, or "
                               "stage 3 without compiling")
         built_in_init = {id(p): p for p in self.base_module.parameters() if init_shard(p) is not None}
-        groups = user_param_groups(self.base_module, model_parameters, optimizer)
+        groups = user_param_groups(self.base_module, model_parameters, optimizer,
+                                   replaced_parameters(self.base_module))
         unit_plan, self._unit_of = ([("", self.base_module)], {}) if not self.policy.shard_parameters \
             else plan_units(self.base_module, self.zero_config.stage3_param_persistence_threshold,
                             tuple(unit_classes))

@@ -24,10 +24,10 @@ from ..core.collectives import Comm, CommCounter
 from .adapters import base_model, expand_adapters
 from .grid import Grid, GridError, build_grid, grid_from_mesh, grid_from_mpu
 from .plans import check_heads, localize, plan_for, with_loss_parallel, with_sequence_parallel
-from .tensor import Split, TensorParallelError, TPSlice, apply_plan, model_slices, resolve_plan
+from .tensor import Split, TensorParallelError, TPSlice, apply_plan, model_slices, replaced_parameters, resolve_plan
 
 __all__ = ["Grid", "GridError", "TensorParallel", "TensorParallelError", "TPSlice", "Split", "grid_for",
-           "tensor_parallelize", "tp_model_init", "model_slices"]
+           "tensor_parallelize", "tp_model_init", "model_slices", "replaced_parameters"]
 
 #: Where a model split by zerodp keeps its grid (``tp_model_init`` before ``initialize``).
 GRID_ATTR = "_zerodp_grid"

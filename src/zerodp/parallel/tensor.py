@@ -42,6 +42,7 @@ use for the same (``tensor_model_parallel``, ``partition_dim``).
 from __future__ import annotations
 
 import re
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -100,6 +101,29 @@ class TPSlice:
 #: module, not the parameter: ``module.to()`` swaps a DTensor parameter's contents with a new
 #: one's (``torch.utils.swap_tensors``), its ``__dict__`` included.
 SLICES_ATTR = "_zerodp_tp_slices"
+
+
+#: Where a split module keeps the parameters the split replaced: ``[(weakref to the old one, new one)]``.
+REPLACED_ATTR = "_zerodp_tp_replaced"
+
+
+def _replace(module: nn.Module, pname: str, old: nn.Parameter, new: nn.Parameter) -> None:
+    module.register_parameter(pname, new)
+    module.__dict__.setdefault(REPLACED_ATTR, []).append((weakref.ref(old), new))
+
+
+def replaced_parameters(model: nn.Module) -> dict[int, nn.Parameter]:
+    """``id(old parameter) -> the DTensor parameter that replaced it`` for every parameter of
+    ``model`` that the split replaced and that is still alive (an optimizer built on the model
+    before it was split holds them; ``initialize`` gives it the new ones)."""
+    held = {id(p) for p in model.parameters()}  # a tied weight split twice keeps one of its new ones
+    out: dict[int, nn.Parameter] = {}
+    for mod in model.modules():
+        for ref, new in mod.__dict__.get(REPLACED_ATTR, []):
+            old = ref()
+            if old is not None and id(new) in held:
+                out[id(old)] = new
+    return out
 
 
 def mark(module: nn.Module, pname: str, param: torch.Tensor, tp: TPSlice) -> None:
@@ -312,7 +336,7 @@ def _shard_param(module: nn.Module, pname: str, dim: int, blocks: int, mesh) -> 
     local = tp.take(full).contiguous()
     dt = DTensor.from_local(local, mesh, [Shard(dim)], run_check=False)
     new = nn.Parameter(dt, requires_grad=p.requires_grad)
-    module.register_parameter(pname, new)
+    _replace(module, pname, p, new)
     mark(module, pname, new, tp)
 
 
@@ -323,8 +347,8 @@ def _replicate_param(module: nn.Module, pname: str, mesh) -> None:
     full = p.detach().contiguous()
     if mesh.size() > 1:
         dist.broadcast(full, src=dist.get_global_rank(mesh.get_group(), 0), group=mesh.get_group())
-    module.register_parameter(pname, nn.Parameter(DTensor.from_local(full, mesh, [Replicate()], run_check=False),
-                                                  requires_grad=p.requires_grad))
+    _replace(module, pname, p, nn.Parameter(DTensor.from_local(full, mesh, [Replicate()], run_check=False),
+                                            requires_grad=p.requires_grad))
 
 
 def _partition(module: nn.Module, split: Split, mesh) -> None:
