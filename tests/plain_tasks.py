@@ -82,3 +82,25 @@ def compiled_train(group, stage: int, steps: int) -> dict:
     params = {n.replace("_orig_mod.", ""): p for n, p in gathered_params(engine).items()}
     engine.destroy()
     return {"error": None, "params": params, "norms": []}
+
+
+def grads_after_step(group, stage: int) -> dict:
+    """What ``.grad`` holds: after ``engine.backward`` (the reduced gradient), after ``engine.step()``
+    (None, as in DeepSpeed), and after a backward then ``optimizer.zero_grad(set_to_none=False)``."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    model = build_model()
+    engine, opt, _, _ = zerodp.initialize(model=model, model_parameters=param_groups(model),
+                                          config=make_config(stage, world), process_group=group)
+    params = [p for p in model.parameters() if p.requires_grad]
+    loss = engine(*batch(0, rank, 0), False)
+    engine.backward(loss)
+    after_backward = sum(p.grad is not None for p in params)
+    engine.step()
+    after_step = sum(p.grad is not None for p in params)
+    engine(*batch(1, rank, 0), False).backward()
+    opt.zero_grad(set_to_none=False)
+    kept = [p.grad for p in params if p.grad is not None]
+    out = {"params": len(params), "after_backward": after_backward, "after_step": after_step,
+           "kept": len(kept), "kept_zero": all(bool((g == 0).all()) for g in kept)}
+    engine.destroy()
+    return out

@@ -54,3 +54,14 @@ def test_compiled_model_trains_with_parity(pool, stage):
 def test_compiled_model_at_stage_3_is_refused(pool):
     results = pool.run(pt.compiled_train, 2, 3, STEPS)
     assert all("stage: 3 does not run a model compiled with torch.compile" in r["error"] for r in results)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_grads_are_none_after_a_step(pool, stage):
+    """``.grad`` is None after ``engine.step()`` at every stage, as in DeepSpeed (the Hugging Face
+    Trainer reads it after the step); ``zero_grad(set_to_none=False)`` leaves zeros where the stage
+    keeps a full gradient buffer (0-1) and None where it keeps a shard (2)."""
+    r = pool.run(pt.grads_after_step, 2, stage)[0]
+    assert r["after_backward"] == (r["params"] if stage < 2 else 0)  # stage 2 keeps only the reduced shard
+    assert r["after_step"] == 0
+    assert r["kept"] == (r["params"] if stage < 2 else 0) and r["kept_zero"]

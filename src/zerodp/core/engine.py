@@ -547,9 +547,10 @@ class ZeroEngine(EngineAPI, nn.Module):
                                      data_comm=self.data_comm, grid_comm=self.grid_comm, device=self.device)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear all gradients (``step()`` does this itself after every update)."""
+        """Clear all gradients (``step()`` does this itself after every update): ``.grad`` None, or with
+        ``set_to_none=False`` at stages 0-1 zeros (views of the zeroed gradient buffer)."""
         for g in self.trainable:
-            g.zero_gradients()
+            g.zero_gradients(keep_views=not set_to_none)
             for pp in g.piece_params:
                 pp.grad = None
         self.reducer.clear_usage()

@@ -371,13 +371,17 @@ class FlatGroup:
             elif p.grad is None or local_tensor(p.grad).data_ptr() != self.view(self.grad_full, i).data_ptr():
                 p.grad = grad_like(p, self.view(self.grad_full, i))
 
-    def zero_gradients(self) -> None:
+    def zero_gradients(self, keep_views: bool = False) -> None:
         """Clear the gradients: ``p.grad`` is None afterwards at every stage, as in DeepSpeed (code
         that reads ``.grad`` after a step, such as the Hugging Face Trainer's norm over mixed
         ``DTensor`` meshes, sees no gradient rather than zeros). A full gradient buffer is zeroed and
-        kept: the next backward's gradients are added into it and ``.grad`` becomes its view again."""
+        kept: the next backward's gradients are added into it and ``.grad`` becomes its view again
+        (at once with ``keep_views``: ``zero_grad(set_to_none=False)``)."""
         if self.grad_full is not None:
             self.grad_full.zero_()
+            if keep_views:
+                self._bind_grads_to_full()
+                return
         else:
             self.grad_shard = None  # the next step's first reduction allocates it again
         for p in self.params:
