@@ -30,7 +30,7 @@ CASES = ["plain", *FP32, "plain-gas2", *GAS, "plain-bf16", *BF16, *PRETRAINED, "
 
 # 4 ranks: tensor parallelism over pairs, and the reference with one sample per device (the same 4 samples a step)
 TP_REFERENCE = "plain-half-nodrop"
-TP = ["z0-tp2", "z1-tp2", "z2-tp2", "z3-tp2", "z2-tp2-sp", "z3-tp2-lp", "z1-tp2-sp-lp"]
+TP = ["z0-tp2", "z1-tp2", "z2-tp2", "z3-tp2", "z2-tp2-sp", "z3-tp2-lp", "z1-tp2-sp-lp", "z2-tp2-off", "z3-tp2-off"]
 TP_CHECKPOINTS = ["z1-tp2-ckpt", "z3-tp2-ckpt"]
 TP_BF16 = ["plain-bf16-half-nodrop", "z2-tp2-bf16", "z3-tp2-bf16"]
 TP_LORA_REFERENCE = "plain-lora-half-nodrop"
