@@ -15,7 +15,8 @@ CASE is ``plain`` or ``z<stage>`` followed by any of ``-bf16``, ``-fp16`` (with 
 offloaded to the CPU), ``-gas2`` (two micro-batches per step), ``-tp2`` (the config's
 ``tensor_parallel.autotp_size`` 2: transformers splits the model with ``tp_model_init``, and
 accelerate gives both ranks of a tensor-parallel pair the same batches; with ``-sp`` and ``-lp``
-the config's ``sequence_parallel`` and ``loss_parallel`` too), ``-half`` (one sample
+the config's ``sequence_parallel`` and ``loss_parallel`` too), ``-mics2`` (``mics_shard_size`` 2: hybrid
+sharding), ``-gc`` (the Trainer's gradient checkpointing), ``-half`` (one sample
 per device instead of two: a 4-rank run's reference for ``-tp2``), ``-nodrop`` (dropout off, which
 ``-tp2`` implies: split layers draw other dropout masks than one process) and ``-pre`` (the model loaded with
 ``from_pretrained`` from a directory rank 0 saved it to, after the ``TrainingArguments``, so that
@@ -69,7 +70,7 @@ def ds_config(stage: int, offload: bool) -> dict:
 def parse(case: str) -> dict:
     head, *flags = case.split("-")
     unknown = set(flags) - {"bf16", "fp16", "ovf", "off", "gas2", "pre", "miss", "ckpt", "lora", "tp2", "half",
-                            "nodrop", "sp", "lp"}
+                            "nodrop", "sp", "lp", "mics2", "gc"}
     if unknown or not (head == "plain" or head in ("z0", "z1", "z2", "z3")):
         raise SystemExit(f"bad case {case!r}")
     ds = None if head == "plain" else ds_config(int(head[1]), "off" in flags)
@@ -77,7 +78,9 @@ def parse(case: str) -> dict:
         ds["fp16"] = {"enabled": "auto", "initial_scale_power": 18 if "ovf" in flags else 4, "hysteresis": 1}
     if ds is not None and "tp2" in flags:
         ds["tensor_parallel"] = {"autotp_size": 2, "sequence_parallel": "sp" in flags, "loss_parallel": "lp" in flags}
-    return {"ds": ds, "fp16": "fp16" in flags, "batch": 1 if "half" in flags else 2,
+    if ds is not None and "mics2" in flags:
+        ds["zero_optimization"]["mics_shard_size"] = 2
+    return {"ds": ds, "fp16": "fp16" in flags, "batch": 1 if "half" in flags else 2, "gc": "gc" in flags,
             "dropout": not ({"tp2", "nodrop"} & set(flags)),
             "bf16": "bf16" in flags, "gas": 2 if "gas2" in flags else 1, "pre": "pre" in flags,
             "ckpt": "ckpt" in flags, "lora": "lora" in flags, "miss": "miss" in flags}
@@ -113,7 +116,8 @@ def make_trainer(case: str, out_dir: str, model: GPT2LMHeadModel | None = None) 
         gradient_accumulation_steps=spec["gas"], max_steps=3, logging_steps=1, learning_rate=1e-3,
         lr_scheduler_type="linear" if spec["fp16"] else "constant", bf16=spec["bf16"], fp16=spec["fp16"],
         deepspeed=spec["ds"], use_cpu=True,
-        save_strategy="steps" if spec["ckpt"] else "no", save_steps=2, report_to=[], disable_tqdm=True)
+        save_strategy="steps" if spec["ckpt"] else "no", save_steps=2, report_to=[], disable_tqdm=True,
+        gradient_checkpointing=spec["gc"])
     if model is None:  # after the arguments: under a stage-3 config, built in zero.Init
         torch.distributed.barrier()  # (the group the arguments started) rank 0 has saved the weights
         torch.manual_seed(1)  # what initializes the weights a checkpoint lacks (-miss)

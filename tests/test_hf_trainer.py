@@ -30,7 +30,8 @@ CASES = ["plain", *FP32, "plain-gas2", *GAS, "plain-bf16", *BF16, *PRETRAINED, "
 
 # 4 ranks: tensor parallelism over pairs, and the reference with one sample per device (the same 4 samples a step)
 TP_REFERENCE = "plain-half-nodrop"
-TP = ["z0-tp2", "z1-tp2", "z2-tp2", "z3-tp2", "z2-tp2-sp", "z3-tp2-lp", "z1-tp2-sp-lp", "z2-tp2-off", "z3-tp2-off"]
+TP = ["z0-tp2", "z1-tp2", "z2-tp2", "z3-tp2", "z2-tp2-sp", "z3-tp2-lp", "z1-tp2-sp-lp", "z2-tp2-off", "z3-tp2-off",
+      "z3-tp2-gc", "z3-tp2-sp-gc", "z3-mics2-half-nodrop"]
 TP_CHECKPOINTS = ["z1-tp2-ckpt", "z3-tp2-ckpt"]
 TP_BF16 = ["plain-bf16-half-nodrop", "z2-tp2-bf16", "z3-tp2-bf16"]
 TP_LORA_REFERENCE = "plain-lora-half-nodrop"
@@ -166,9 +167,11 @@ def test_trainer_with_autotp_equals_plain_trainer(tp_results, case):
     DeepSpeed counts it under AutoTP (every rank: 8, not the 4 samples a step takes), and reads the
     gradient norm after the engine's step, when no ``.grad`` may be left (zeros would make it 0).
     The config's ``sequence_parallel`` and ``loss_parallel`` reach the split too (``-sp``, ``-lp``):
-    the loss on split logits comes back a plain tensor the Trainer may scale in place."""
+    the loss on split logits comes back a plain tensor the Trainer may scale in place. Also with the
+    Trainer's gradient checkpointing (``-gc``), and hybrid sharding without TP (``-mics2``: 4 ranks
+    sharding in pairs, one sample per device)."""
     got = tp_results[case]
-    assert got["split"] and not tp_results[TP_REFERENCE]["split"]
+    assert got["split"] == ("tp2" in case) and not tp_results[TP_REFERENCE]["split"]
     same_run(got, tp_results[TP_REFERENCE], rel=1e-5)
 
 
