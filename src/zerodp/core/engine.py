@@ -323,7 +323,7 @@ class ZeroEngine(EngineAPI, nn.Module):
             args, kwargs = self.precision.cast_inputs((args, kwargs))
             with _explain_released_parameters(self.policy.shard_parameters), self._tp_region():
                 out = self.module(*args, **kwargs)
-            return out if tp is None else tp.outputs(out)
+            return out  # under loss parallelism the model's own hooks made the loss a plain tensor
 
     def _tp_region(self):
         """Where forward and backward run under tensor parallelism (torch's loss_parallel() when the

@@ -161,12 +161,6 @@ class TensorParallel:
         backward), else nothing."""
         return _loss_parallel_region() if self.loss_parallel else contextlib.nullcontext()
 
-    def outputs(self, out: Any) -> Any:
-        """The forward's outputs with every replicated ``DTensor`` (the loss computed on split logits)
-        made a plain tensor (a one-element one, the loss, a copy that may be changed in place); split
-        logits stay ``DTensor`` s (``.full_tensor()`` gives them whole)."""
-        return _local_outputs(out) if self.loss_parallel else out
-
     def check_inputs(self, args: Any, kwargs: Any) -> None:
         """Every tensor-parallel rank must run the same batch: each rank's inputs are summed into a
         fingerprint, and a difference inside the group fails on every rank, naming the ranks."""
@@ -199,9 +193,11 @@ class TensorParallel:
 
 
 def _loss_parallel_hooks(model: nn.Module) -> list:
-    """Hooks that run a call of the model itself (not through the engine: the Trainer's ``evaluate``,
-    ``generate``) inside ``loss_parallel()`` too, and give back its replicated outputs (the loss) as
-    plain tensors, as the engine's forward does."""
+    """Hooks that run every call of the model (through the engine, or of the model itself: the
+    Trainer's ``evaluate``, ``generate``) inside ``loss_parallel()``, and give back its outputs with
+    every replicated ``DTensor`` (the loss computed on split logits) made a plain tensor (a
+    one-element one, the loss, a copy that may be changed in place); split logits stay ``DTensor`` s
+    (``.full_tensor()`` gives them whole)."""
     entered: list[Optional[contextlib.ExitStack]] = []
 
     def pre_forward(module, args):
