@@ -30,13 +30,11 @@ class Harness:
         pass
 
 
-class ZerodpHarness(Harness):
-    def __init__(self, model, gpt, args) -> None:
-        import zerodp
-        config = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
-                  "optimizer": {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"])}},
-                  "steps_per_print": 10**9, "zero_optimization": {"stage": args.stage}}
-        self.engine, _, _, _ = zerodp.initialize(model=model, config=config, unit_classes=(gpt.Block,))
+class EngineHarness(Harness):
+    """A DeepSpeed-style engine (``self.engine``, named ``system`` in errors): forward, backward and
+    step, and ``load_checkpoint``."""
+
+    system = "the engine"
 
     def step(self, x, y) -> float:
         _, loss = self.engine(x, y)
@@ -44,24 +42,37 @@ class ZerodpHarness(Harness):
         self.engine.step()
         return loss.item()
 
+    def load(self, folder, tag) -> None:
+        path, _ = self.engine.load_checkpoint(folder, tag=tag)
+        if path is None:
+            raise RuntimeError(f"{self.system} found no checkpoint {tag} in {folder}")
+
+
+class ZerodpHarness(EngineHarness):
+    system = "zerodp"
+
+    def __init__(self, model, gpt, args) -> None:
+        import zerodp
+        config = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
+                  "optimizer": {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"])}},
+                  "steps_per_print": 10**9, "zero_optimization": {"stage": args.stage}}
+        self.engine, _, _, _ = zerodp.initialize(model=model, config=config, unit_classes=(gpt.Block,))
+
     def save(self, folder, tag, asynchronous=False):
         self.engine.save_checkpoint(folder, tag=tag, async_save=asynchronous)
 
     def wait(self, handle) -> None:
         self.engine.wait_for_checkpoint()
 
-    def load(self, folder, tag) -> None:
-        path, _ = self.engine.load_checkpoint(folder, tag=tag)
-        if path is None:
-            raise RuntimeError(f"zerodp found no checkpoint {tag} in {folder}")
-
     def close(self) -> None:
         self.engine.wait_for_checkpoint()
 
 
-class DeepSpeedHarness(Harness):
+class DeepSpeedHarness(EngineHarness):
+    system = "DeepSpeed"
     no_async = ("DeepSpeed's asynchronous writers (decoupled / fast checkpoint engines) build on its "
                 "async_io op, which needs CUDA")
+
     def __init__(self, model, gpt, args) -> None:
         import deepspeed
         config = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
@@ -72,19 +83,8 @@ class DeepSpeedHarness(Harness):
         self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                     config=config)
 
-    def step(self, x, y) -> float:
-        _, loss = self.engine(x, y)
-        self.engine.backward(loss)
-        self.engine.step()
-        return loss.item()
-
     def save(self, folder, tag, asynchronous=False):
         self.engine.save_checkpoint(folder, tag=tag)
-
-    def load(self, folder, tag) -> None:
-        path, _ = self.engine.load_checkpoint(folder, tag=tag)
-        if path is None:
-            raise RuntimeError(f"DeepSpeed found no checkpoint {tag} in {folder}")
 
 
 class DcpHarness(Harness):

@@ -151,7 +151,7 @@ def summarize_stall(runs: list[Run]) -> list[StallRow]:
             def worst(r, key, n=n):
                 return max(x["stall"][n][key] for x in r.rows)
 
-            def per_run(fn):
+            def per_run(fn, good=good):
                 return _common.median(fn(r) for r in good)
 
             def sync(r):
@@ -213,7 +213,8 @@ def _params(n: Optional[int], size: str) -> str:
 
 def format_disk(disk: dict) -> str:
     lines = ["| disk (same filesystem) | median GB/s | range GB/s | measurements |", "|---|---|---|---|"]
-    for key, label in (("write_gbps", "sequential write + fsync"), ("read_gbps", "sequential read, page cache evicted")):
+    for key, label in (("write_gbps", "sequential write + fsync"),
+                       ("read_gbps", "sequential read, page cache evicted")):
         rng = disk.get(key + "_range")
         span = "-" if not rng else f"{rng[0]:.2f}-{rng[1]:.2f}"
         lines.append(f"| {label} | {fmt(disk.get(key), '.2f')} | {span} | {disk.get('count', 0)} |")
