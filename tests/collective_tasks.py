@@ -1,13 +1,13 @@
 """Worker tasks for ``test_collectives.py``: ``Comm``'s reduce-scatter and all-gather in each of
-gloo's forms (``ZERODP_GLOO_COLLECTIVES``: by chunk size, all-to-all, one operation per owner,
-the tensor form),
-checked against sums computed on every rank."""
+gloo's forms (``ZERODP_GLOO_COLLECTIVES``: ``auto`` and the all-to-all, one operation per owner,
+the tensor form), and the all-to-all's pooled buffers, checked against sums computed on every
+rank."""
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from zerodp.core.collectives import GLOO_FORMS_ENV, Comm
+from zerodp.core.collectives import GLOO_FORMS_ENV, SCRATCH, Comm
 
 
 def rank_values(rank: int, numel: int) -> torch.Tensor:
@@ -32,4 +32,34 @@ def each_form(group, chunk_elements: int, form: str) -> dict:
     ag_ok = all(torch.equal(gathered.chunk(n)[k], rank_values(k, chunk_elements)) for k in range(n))
     comm.counter.close_step()
     return {"reduce_scatter": rs_ok, "all_gather": ag_ok, "calls": comm.counter.last_calls.get("data", 0),
-            "form": comm.form(full.chunk(n)[0]), "backend": dist.get_backend(group)}
+            "form": comm.form(), "backend": dist.get_backend(group)}
+
+
+def pooled_operations(group) -> dict:
+    """Two rounds of five operations in flight at once (reduce-scatters and all-gathers of
+    three sizes, fp32 and bf16) through the all-to-all."""
+    comm = Comm(group)
+    assert comm.form() == "all_to_all", comm.form()
+    n, r = comm.world_size, comm.rank
+    SCRATCH.release()
+    held, ok, lent = [], [], []
+    for _ in range(2):
+        ops = []
+        for chunk, dtype in [(3000, torch.float32), (1000, torch.bfloat16), (5000, torch.float32)]:
+            full = rank_values(r, chunk * n).to(dtype)
+            ops.append(("rs", chunk, dtype, full, comm.reduce_scatter_sum(full, async_op=True)))
+        for chunk, dtype in [(2000, torch.float32), (1000, torch.bfloat16)]:
+            full = torch.zeros(chunk * n, dtype=dtype)
+            full.chunk(n)[r].copy_(rank_values(r, chunk).to(dtype))
+            ops.append(("ag", chunk, dtype, full, comm.all_gather(full, async_op=True)))
+        lent.append(SCRATCH.lent_buffers)
+        for kind, chunk, dtype, full, handle in ops:
+            handle.wait()
+            if kind == "rs":
+                want = sum(rank_values(k, chunk * n).to(dtype).float() for k in range(n)).to(dtype)
+                ok.append(torch.equal(full.chunk(n)[r], want.chunk(n)[r]))
+            else:
+                ok.append(all(torch.equal(full.chunk(n)[k], rank_values(k, chunk).to(dtype)) for k in range(n)))
+        held.append(SCRATCH.held_bytes)
+    return {"results_ok": ok, "lent_in_flight": lent, "held_after_first": held[0],
+            "held_after_second": held[1], "lent_after": SCRATCH.lent_buffers}

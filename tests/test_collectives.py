@@ -1,19 +1,19 @@
 """``Comm`` on gloo: each form of reduce-scatter and all-gather gives the sums and gathers, and
-each counts as one collective in the engine's counter; ``auto`` picks the all-to-all below
-``GLOO_OWNER_MIN_BYTES`` per chunk and one operation per owner from there."""
+each counts as one collective in the engine's counter; ``auto`` is the all-to-all at every
+size, whose transient buffers come from a pool and go back to it."""
 import pytest
-from collective_tasks import each_form
+from collective_tasks import each_form, pooled_operations
 
-from zerodp.core.collectives import GLOO_FORMS, GLOO_OWNER_MIN_BYTES
+from zerodp.core.collectives import GLOO_FORMS
 
-SMALL, LARGE = 1000, GLOO_OWNER_MIN_BYTES // 4 + 8
+SMALL, LARGE = 1000, (1 << 20) // 4 + 8  # elements per chunk: 4 kB, just over 1 MiB
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("form,chunk", [(f, SMALL) for f in GLOO_FORMS] + [("auto", LARGE)])
 def test_reduce_scatter_and_all_gather_in_each_form(pool, world, form, chunk):
     results = pool.run(each_form, world, chunk, form)
-    want = form if form != "auto" else ("per_owner" if chunk == LARGE else "all_to_all")
+    want = form if form != "auto" else "all_to_all"
     for r in results:
         assert r["backend"] == "gloo"
         assert r["form"] == want
@@ -27,3 +27,18 @@ def test_an_unknown_form_is_refused(monkeypatch):
     with pytest.raises(ValueError,
                        match="ZERODP_GLOO_COLLECTIVES='ring': allowed: auto, all_to_all, per_owner, tensor"):
         gloo_form()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_all_to_all_reuses_its_buffers(pool, world):
+    """Three reduce-scatters and two all-gathers in flight at once, in fp32 and bf16, twice:
+    every result right, a buffer of its own for each operation in flight (at world size 2 the
+    exchange needs one for a reduce-scatter only, of one chunk), and the second round served
+    from the first round's buffers (the pool holds the same bytes after it, all given back)."""
+    for r in pool.run(pooled_operations, world):
+        assert r["results_ok"] == [True] * 10
+        assert r["lent_in_flight"] == ([3, 3] if world == 2 else [5, 5])
+        assert r["held_after_first"] == r["held_after_second"] > 0
+        assert r["lent_after"] == 0
+    if world == 2:  # one chunk per reduce-scatter: 3000 + 1000 + 5000 elements, fp32 / bf16 / fp32
+        assert r["held_after_first"] == 4 * 3000 + 2 * 1000 + 4 * 5000

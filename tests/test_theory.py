@@ -5,7 +5,7 @@ stage 1 shards the moments, stage 2 the gradients as well. Communication per ste
 as ring bytes sent per rank: 2 x 4 bytes x Psi x (N-1)/N at every stage 0-2.
 """
 import pytest
-from theory_tasks import measure
+from theory_tasks import collective_buffers, measure
 
 WIDTHS = [16, 16, 16, 16]          # three 16x16 weights: Psi = 768, divisible by 4 x 4 elements
 PSI = 3 * 16 * 16
@@ -141,3 +141,19 @@ def test_stage2_buckets_are_bounded(pool):
         assert len(res["layout"]) == 8
         assert res["memory"]["gradient_buckets"] == 0
         assert group_bytes <= res["memory"]["gradient_buckets_peak"] <= 3 * group_bytes
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_ledger_counts_the_buffers_kept_for_collectives(pool, stage):
+    """On gloo the all-to-all's transient buffers are kept for reuse: the ledger reports them
+    (at least what the largest group's reduce-scatter needed: at world size 2 one chunk, the
+    half that comes from the peer; at most a full-size buffer per operation that can be in
+    flight: two buckets and, at stage 3, a unit gathered ahead), and destroying the engine
+    frees them."""
+    widths = [8, 64, 16, 32, 8]
+    results = pool.run(collective_buffers, 2, stage, widths)
+    for res in results:
+        largest = 4 * max(padded for _, padded in res["layout"])
+        held = res["memory"]["collective_buffers"]
+        assert largest // 2 <= held <= 4 * largest, (held, largest)
+        assert res["held_after_destroy"] == 0

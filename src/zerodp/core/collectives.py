@@ -4,22 +4,40 @@ It knows the backend and picks the form of each collective that is fast there; e
 reduce-scatter and all-gather is one collective (one work to wait for), at any group size:
 
 * NCCL: ``reduce_scatter_single`` / ``all_gather_single`` (the tensor forms), run in place.
-* gloo: chunks under ``GLOO_OWNER_MIN_BYTES`` (1 MiB) per rank: one ``all_to_all_single``. A
-  reduce-scatter sends chunk ``i`` of the input to rank ``i`` and sums the ``N`` chunks it
-  receives; an all-gather sends ``N`` copies of this rank's chunk, one to each rank. Each moves a
-  ring's bytes and holds a transient buffer of the buffer's size. Larger chunks: one reduce or
-  broadcast per owner, N operations waited for together, in place.
-  Measured on 2 CPU cores (ms; reduce-scatter all-to-all / per owner / gloo's tensor form, then
-  all-gather likewise): 256 KiB chunks at 4 ranks 2.2 / 14.3 / 8.9, 2.9 / 3.2 / 4.3; at 8 ranks
-  7.1 / 71 / 27, 7.6 / 9.8 / 12.3; 4 MiB chunks at 4 ranks 21 / 31 / 46, 20 / 17 / 26; at 8 ranks
-  67 / 120 / 225, 62 / 57 / 123. The all-to-all's reduce-scatter wins at every size only while its
-  transient buffer is reused: freshly allocated for a 25 MiB bucket at 2 ranks, its page faults
-  make it 27.7 ms against 21.1 per owner (12.8 in a reused buffer), and the all-gather 23.7
-  against 8.3 (13.4). End to end at world size 2, one all-to-all per operation at every size cost
-  stage 2 about 4% and stage 3 about 6% of the step (docs/benchmarks.md), so large chunks keep
-  the per-owner form, and the number of collectives per step grows with N on gloo where chunks
-  are 1 MiB or more. ``ZERODP_GLOO_COLLECTIVES`` picks one form for every size (``all_to_all``:
-  one collective per operation at any N; ``per_owner``; ``tensor``) instead of ``auto``.
+* gloo: one ``all_to_all_single`` each. A reduce-scatter sends chunk ``i`` of the input to
+  rank ``i`` and sums the ``N`` chunks it receives; an all-gather sends ``N`` copies of this
+  rank's chunk, one to each rank. Each moves a ring's bytes and needs a transient buffer the
+  size of the operation, which a pool (``ScratchPool``) keeps for the next one: allocated
+  afresh, a large buffer faults its pages in on every use. In a group of two it is an exchange
+  (split sizes that leave this rank's own part out): the all-gather runs in place with no
+  buffer, the reduce-scatter receives one chunk (at 2 ranks, ms, all-gather / reduce-scatter:
+  0.9 / 0.9, 2.4 / 2.5, 10.4 / 13.4 for the three sizes below). Measured on 2 CPU cores (ms, median
+  of 7; per owner = one reduce or broadcast per owner, N operations in place; fresh = the
+  all-to-all with a new buffer each time, pooled = with the pool's):
+
+  ======================  ==========================  ==========================
+  chunk, ranks            reduce-scatter              all-gather
+                          per owner / fresh / pooled  per owner / fresh / pooled
+  ======================  ==========================  ==========================
+  1 MiB, 2                3.8 / 1.9 / 1.1             1.0 / 2.1 / 1.0
+  4 MiB, 2                8.2 / 7.6 / 3.4             3.1 / 8.3 / 3.5
+  16 MiB, 2               26.2 / 33.0 / 18.3          11.7 / 31.2 / 19.1
+  1 MiB, 4                13.9 / 8.6 / 5.4            3.5 / 9.4 / 5.2
+  4 MiB, 4                20.0 / 29.1 / 13.9          11.4 / 25.1 / 16.6
+  16 MiB, 4               106.2 / 123.6 / 57.7        45.8 / 109.4 / 62.2
+  ======================  ==========================  ==========================
+
+  gloo's own tensor forms were slower than all of these (all-gather 2.9 / 11.0 / 41.5 ms at
+  2 ranks), and its list ``all_to_all`` too (12.7 ms for 4 MiB at 2 ranks). End to end on the
+  medium example GPT (``benchmarks/peers.py``, step time over DDP's, medians of 6 runs of the
+  pooled all-to-all alternated with 3 of one operation per owner for chunks from 1 MiB): stage
+  2 0.99 against 1.02 at world size 2 and 0.95 against 0.99 at 4; stage 3 1.13 against 1.09
+  and 1.08 against 1.13 (docs/benchmarks.md); one collective per operation at any N (stage 3:
+  28 per step against 46 and 82 at 2 and 4). The price is memory: the pool keeps up to one
+  buffer per operation in flight (peak RSS per rank at stage 2 +21 / +42 MiB at world sizes 2 /
+  4 with 25 MiB buckets, stage 3 +10 / +21), reported as ``memory_breakdown()["collective_buffers"]``.
+  ``ZERODP_GLOO_COLLECTIVES`` picks another form for every size (``per_owner``: one operation per
+  owner, in place, no transient buffer; ``tensor``) instead of ``auto`` (the all-to-all).
   (gloo's ``_coalescing_manager`` does not run broadcasts and reduces: it returns without
   having moved anything, so it cannot make per-owner operations one.)
 
@@ -39,6 +57,7 @@ over ``N`` ranks:
 from __future__ import annotations
 
 import os
+import threading
 from collections import defaultdict
 from typing import Any, Callable, Optional
 
@@ -51,12 +70,10 @@ COLLECTIVE_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "control")
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-#: gloo's forms of reduce-scatter and all-gather (see above), chosen by ``ZERODP_GLOO_COLLECTIVES``.
+#: gloo's forms of reduce-scatter and all-gather (see above), chosen by ``ZERODP_GLOO_COLLECTIVES``;
+#: ``auto`` is the all-to-all.
 GLOO_FORMS = ("auto", "all_to_all", "per_owner", "tensor")
 GLOO_FORMS_ENV = "ZERODP_GLOO_COLLECTIVES"
-#: gloo, ``auto``: a reduce-scatter or all-gather whose per-rank chunk is this large or larger runs as
-#: one operation per owner, a smaller one as one all-to-all.
-GLOO_OWNER_MIN_BYTES = 1 << 20
 
 
 def gloo_form() -> str:
@@ -98,6 +115,62 @@ class CommCounter:
     def last_step(self) -> dict[str, int]:
         """Bytes of the last step per collective kind, over all groups."""
         return {k: sum(g.get(k, 0) for g in self.last_by_group.values()) for k in self.kinds}
+
+
+class ScratchPool:
+    """The transient buffers of gloo's all-to-all forms, kept for the next operation.
+
+    An all-to-all reduce-scatter receives every rank's copy of the bucket, and an all-gather
+    sends ``N`` copies of this rank's chunk: a buffer the size of the whole operation, for
+    as long as it runs. Allocated afresh each time, a large one faults its pages in on every
+    use (the table above: fresh against pooled). The pool lends byte buffers and takes them
+    back when the operation is done; a request that no free buffer fits allocates a new one
+    and drops the largest free buffer, too small for it, so the pool holds about as many
+    buffers as operations ran at once, each the size of the largest it served.
+    ``held_bytes`` is what it holds (lent or free), ``lent_buffers`` how many are lent now;
+    ``release()`` frees the free ones."""
+
+    def __init__(self) -> None:
+        self._free: list[torch.Tensor] = []
+        self._lent: dict[int, torch.Tensor] = {}  # by data pointer
+        self._lock = threading.Lock()
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(b.numel() for b in self._free) + sum(b.numel() for b in self._lent.values())
+
+    @property
+    def lent_buffers(self) -> int:
+        """Buffers lent to operations not yet done."""
+        return len(self._lent)
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A 1-D tensor of ``numel`` elements of ``dtype`` on ``device``, contents unspecified."""
+        nbytes = numel * dtype.itemsize
+        with self._lock:
+            here = [i for i, b in enumerate(self._free) if b.device == device]
+            fits = [i for i in here if self._free[i].numel() >= nbytes]
+            if fits:
+                buf = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+            else:
+                if here:  # the largest free one is too small: replace it
+                    self._free.pop(max(here, key=lambda i: self._free[i].numel()))
+                buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+            self._lent[buf.data_ptr()] = buf
+        return buf[:nbytes].view(dtype)
+
+    def give_back(self, view: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(self._lent.pop(view.data_ptr()))
+
+    def release(self) -> None:
+        """Free the buffers not lent right now."""
+        with self._lock:
+            self._free = []
+
+
+#: The pool of every ``Comm`` of this process (one operation's buffer serves any group).
+SCRATCH = ScratchPool()
 
 
 class Handle:
@@ -161,12 +234,17 @@ class Comm:
         comm.gloo = "tensor"
         return comm
 
-    def form(self, chunk: torch.Tensor) -> str:
-        """How a reduce-scatter or all-gather of ``chunk``-sized pieces runs: ``"tensor"`` on NCCL;
-        on gloo its form, ``auto`` resolved by the chunk's size."""
-        if self.gloo != "auto":
-            return self.gloo
-        return "per_owner" if chunk.numel() * chunk.element_size() >= GLOO_OWNER_MIN_BYTES else "all_to_all"
+    def form(self) -> str:
+        """How a reduce-scatter or all-gather runs: ``"tensor"`` on NCCL; on gloo its form
+        (``auto``: the all-to-all)."""
+        return "all_to_all" if self.gloo == "auto" else self.gloo
+
+    def _pair(self, chunk: int) -> tuple[int, list[int]]:
+        """A group of two: the peer's group rank, and split sizes that send ``chunk`` elements to
+        it and receive as many from it alone (an all-to-all without this rank's own part: no
+        copy of it, no buffer for it)."""
+        peer = 1 - self.rank
+        return peer, [chunk if i == peer else 0 for i in range(2)]
 
     # -- collectives -------------------------------------------------------------------
 
@@ -194,13 +272,26 @@ class Comm:
         self.counter.add("reduce_scatter", full.numel() * full.element_size() * (n - 1) / n, self.label)
         chunks = full.chunk(n)
         mine = chunks[self.rank]
-        form = self.form(mine)
-        if form == "all_to_all":  # every rank's chunk `rank` arrives here, and is summed
-            received = torch.empty_like(full)
+        form = self.form()
+        if form == "all_to_all" and n == 2:  # an exchange: the peer's chunk there, its copy of mine here
+            peer, splits = self._pair(mine.numel())
+            received = SCRATCH.take(mine.numel(), full.dtype, full.device)
+            works = [dist.all_to_all_single(received, chunks[peer], output_split_sizes=splits,
+                                            input_split_sizes=splits, group=self.group, async_op=True)]
+
+            def add_up(after=then):
+                mine.add_(received)
+                SCRATCH.give_back(received)
+                if after is not None:
+                    after()
+            then = add_up
+        elif form == "all_to_all":  # every rank's chunk `rank` arrives here, and is summed
+            received = SCRATCH.take(full.numel(), full.dtype, full.device)
             works = [dist.all_to_all_single(received, full, group=self.group, async_op=True)]
 
             def add_up(after=then):
                 torch.sum(received.view(n, -1), dim=0, out=mine)
+                SCRATCH.give_back(received)
                 if after is not None:
                     after()
             then = add_up
@@ -223,12 +314,18 @@ class Comm:
             return self._finish(Handle([], then), async_op)
         self.counter.add("all_gather", full.numel() * full.element_size() * (n - 1) / n, self.label)
         chunks = full.chunk(n)
-        form = self.form(chunks[0])
-        if form == "all_to_all":  # this rank's chunk to every rank, theirs into their places
-            copies = chunks[self.rank].repeat(n)
+        form = self.form()
+        if form == "all_to_all" and n == 2:  # an exchange, in place: mine there, the peer's here
+            peer, splits = self._pair(chunks[0].numel())
+            works = [dist.all_to_all_single(chunks[peer], chunks[self.rank], output_split_sizes=splits,
+                                            input_split_sizes=splits, group=self.group, async_op=True)]
+        elif form == "all_to_all":  # this rank's chunk to every rank, theirs into their places
+            copies = SCRATCH.take(full.numel(), full.dtype, full.device)
+            copies.view(n, -1).copy_(chunks[self.rank].expand(n, -1))
             works = [dist.all_to_all_single(full, copies, group=self.group, async_op=True)]
 
-            def release(after=then, copies=copies):  # the copies live until the work is done
+            def release(after=then):  # the copies live until the work is done
+                SCRATCH.give_back(copies)
                 if after is not None:
                     after()
             then = release

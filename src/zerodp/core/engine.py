@@ -57,7 +57,7 @@ from .assemble import (
     build_optimizer,
     user_param_groups,
 )
-from .collectives import CommCounter
+from .collectives import SCRATCH, CommCounter
 from .device import default_device, synchronize
 from .engine_api import EngineAPI
 from .gather import (
@@ -571,3 +571,4 @@ class ZeroEngine(EngineAPI, nn.Module):
             self.param_offload.close()
         if self.tensor_parallel is not None:
             self.tensor_parallel.close()
+        SCRATCH.release()  # gloo's all-to-all buffers not in use

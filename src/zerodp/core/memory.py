@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import torch
 
+from .collectives import SCRATCH
+
 if TYPE_CHECKING:
     from ..config import ZeroConfig
     from ..offload.optimizer import OptimizerOffload
@@ -59,7 +61,9 @@ def measure_model_states(engine: MeasuredEngine) -> dict[str, int]:
     * ``optimizer_scalars``: other optimizer state (step counters);
     * ``gradient_buckets``: temporary stage 2-3 buckets alive right now (zero between steps;
       the reducer's, ``reduce.py``);
-    * ``gradient_buckets_peak``: the most bytes of such buckets alive at once so far.
+    * ``gradient_buckets_peak``: the most bytes of such buckets alive at once so far;
+    * ``collective_buffers``: the transient buffers of gloo's all-to-all collectives that this
+      process keeps for reuse (``collectives.ScratchPool``; shared by its engines; none on NCCL).
 
     ``model_states`` is the sum of the first four. With offload, ``model_states_on_compute``,
     ``model_states_on_host`` and ``model_states_on_disk`` split it by where it lives (on a
@@ -89,6 +93,7 @@ def measure_model_states(engine: MeasuredEngine) -> dict[str, int]:
     out["gradient_buckets_peak"] = engine.reducer.peak_bucket_bytes
     out["gathered_parameters_peak"] = (engine.prefetcher.peak_gathered_bytes
                                        if engine.policy.shard_parameters else 0)
+    out["collective_buffers"] = SCRATCH.held_bytes
     out["model_states"] = (out["parameters"] + out["gradients"] + out["master_weights"]
                            + out["optimizer_states"])
     off = getattr(engine, "offload", None)
