@@ -162,9 +162,9 @@ class ZeroConfig(_Section):
                                                    "all-reduce, each rank then keeping its shard (false; same numbers, "
                                                    "twice the gradient traffic).")
     allgather_partitions: bool = Field(
-        True, description="Accepted for compatibility: zerodp picks the all-gather form that is fastest on the "
-                          "backend (all_gather_single on NCCL; on gloo one all_to_all_single below 1 MiB "
-                          "per rank, per-owner broadcasts from there).")
+        True, description="Accepted for compatibility: zerodp picks the all-gather form for the backend "
+                          "(all_gather_single on NCCL; on gloo one all_to_all_single, an in-place exchange "
+                          "between two ranks).")
     stage3_prefetch_bucket_size: _NonNegative = Field(
         50_000_000, description="Stage 3: while a unit computes, all-gather the units expected next (recorded forward "
                                 "order; reverse in backward) while the units gathered ahead of it hold at most this "
