@@ -338,15 +338,16 @@ class Comm:
 
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
         """Every rank's short list of ints (same length on every rank), in rank order;
-        counted as control traffic."""
+        counted as control traffic. The ranks' values land in one tensor, read back to the host
+        at once (on NCCL one device-to-host copy, not one per rank)."""
         if self.world_size == 1:
             return [list(values)]
         device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else None
         mine = torch.tensor(values, dtype=torch.int64, device=device)
-        out = [torch.empty_like(mine) for _ in range(self.world_size)]
+        out = torch.empty(self.world_size, mine.numel(), dtype=torch.int64, device=device)
         self.counter.add("control", mine.numel() * 8 * (self.world_size - 1), self.label)
-        dist.all_gather(out, mine, group=self.group)
-        return [t.tolist() for t in out]
+        dist.all_gather(list(out.unbind(0)), mine, group=self.group)
+        return out.tolist()
 
     def all_gather_list(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``tensor`` (same shape on every rank), in rank order (saving and
