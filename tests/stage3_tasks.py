@@ -295,3 +295,31 @@ def reads_child_weight_task(group, threshold: int, register: bool = False, steps
         return str(e)
     finally:
         engine.destroy()
+
+
+def empty_partition_cache_task(group) -> dict:
+    """After a step has recorded the units' order, a forward with grad enabled whose backward
+    never comes leaves its units gathered (``stage3_max_reuse_distance`` keeps them for the
+    backward); ``empty_partition_cache()`` releases them and the collective buffers, and the
+    next step trains on the shards as if nothing had been gathered: its loss is the abandoned
+    forward's (same batch, no update between)."""
+    rank = dist.get_rank(group)
+    engine, _, _, _ = zerodp.initialize(model=deep_net(), config=_stage3_config(0, reuse=10**6),
+                                        process_group=group)
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(4, 16, generator=gen)
+    engine.backward(engine(x).pow(2).mean())
+    engine.step()
+    first = engine(x).pow(2).mean().item()          # a forward with grad, no backward
+    before = engine.memory_breakdown()
+    engine.empty_partition_cache()
+    after = engine.memory_breakdown()
+    loss = engine(x).pow(2).mean()
+    engine.backward(loss)
+    engine.step()
+    second = engine(x).pow(2).mean().item()          # after one update: moved
+    out = {"gathered_before": before["gathered_parameters"], "gathered_after": after["gathered_parameters"],
+           "buffers_after": after["collective_buffers"], "first": first, "again": loss.item(),
+           "after_step": second}
+    engine.destroy()
+    return out

@@ -171,3 +171,12 @@ def test_parameter_read_outside_its_unit(pool):
         for res in results:
             for name, want in ref.items():
                 assert (res[name] - want).abs().max().item() < 2e-6, name
+
+
+def test_empty_partition_cache_releases_what_an_abandoned_forward_gathered(pool):
+    from stage3_tasks import empty_partition_cache_task
+    for r in pool.run(empty_partition_cache_task, 2):
+        assert r["gathered_before"] > 0
+        assert r["gathered_after"] == 0 == r["buffers_after"]
+        assert r["again"] == r["first"]
+        assert r["after_step"] != r["first"]

@@ -62,6 +62,12 @@ def init_distributed(backend: str | None = None) -> bool:
     return True
 
 
+def empty_cache(device: torch.device) -> None:
+    """Return the memory the device's caching allocator keeps unused (CUDA; nothing on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for queued device work (a no-op on CPU); used around timings."""
     if device.type == "cuda":

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from . import device
+from .collectives import SCRATCH
 from .memory import measure_model_states
 from .view import CheckpointView
 
@@ -63,6 +64,20 @@ class EngineAPI:
     @property
     def zero_stage(self) -> int:
         return self.policy.stage
+
+    def empty_partition_cache(self) -> None:
+        """Free what the engine holds beyond its shards (DeepSpeed's name): stage 3 releases every
+        gathered unit (units kept gathered after a forward whose backward never came, by
+        ``stage3_max_reuse_distance``, or the root unit after a forward with grad enabled), and at
+        every stage the buffers kept for gloo's collectives and the device's cached memory are
+        returned. Call it between steps, not between a forward and its backward."""
+        for unit in self.units:
+            if not unit.held:
+                unit.pins = 0
+                unit.pending_backward = 0
+                unit.release()
+        SCRATCH.release()
+        device.empty_cache(self.device)
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes of model state held on this rank, by category, measured from the real tensors
