@@ -12,7 +12,8 @@ import sys
 import time
 
 if os.environ.get("LAUNCH_SCRIPT_WAIT") == "1":
-    print(f"LAUNCH_SCRIPT_READY {os.getpid()}", flush=True)
+    sys.stdout.write(f"LAUNCH_SCRIPT_READY {os.getpid()}\n")  # one write: lines of two ranks do not interleave
+    sys.stdout.flush()
     while True:
         time.sleep(1)
 
