@@ -26,12 +26,17 @@ def each_form(group, chunk_elements: int, form: str) -> dict:
     comm.reduce_scatter_sum(full)
     want = sum(rank_values(k, chunk_elements * n) for k in range(n))
     rs_ok = torch.equal(full.chunk(n)[r], want.chunk(n)[r])
+    # the same sum delivered into a tensor of its own (a gradient shard), asynchronously
+    out = torch.full((chunk_elements,), float("nan"))
+    comm.reduce_scatter_sum(rank_values(r, chunk_elements * n), async_op=True, out=out).wait()
+    rs_out_ok = torch.equal(out, want.chunk(n)[r])
     gathered = torch.zeros(chunk_elements * n)
     gathered.chunk(n)[r].copy_(rank_values(r, chunk_elements))
     comm.all_gather(gathered, async_op=True).wait()
     ag_ok = all(torch.equal(gathered.chunk(n)[k], rank_values(k, chunk_elements)) for k in range(n))
     comm.counter.close_step()
-    return {"reduce_scatter": rs_ok, "all_gather": ag_ok, "calls": comm.counter.last_calls.get("data", 0),
+    return {"reduce_scatter": rs_ok, "reduce_scatter_out": rs_out_ok, "all_gather": ag_ok,
+            "calls": comm.counter.last_calls.get("data", 0),
             "form": comm.form(), "backend": dist.get_backend(group)}
 
 

@@ -43,11 +43,11 @@ def measure(group, stage: int, widths: list[int], gas: int = 1, steps: int = 2,
     return out
 
 
-def collective_buffers(group, stage: int, widths: list[int]) -> dict:
-    """The ledger's ``collective_buffers`` after two steps, with the pool emptied first, and
-    what the pool holds once the engine is destroyed."""
+def collective_buffers(group, stage: int, widths: list[int], gas: int = 1) -> dict:
+    """The ledger's ``collective_buffers`` after two steps of ``gas`` micro-batches, with the
+    pool emptied first, and what the pool holds once the engine is destroyed."""
     from zerodp.core.collectives import SCRATCH
     SCRATCH.release()
-    out = measure(group, stage, widths, bucket=1)  # one bucket per group
+    out = measure(group, stage, widths, gas=gas, bucket=1)  # one bucket per group
     out["held_after_destroy"] = SCRATCH.held_bytes
     return out

@@ -259,15 +259,20 @@ class Comm:
         return self._finish(Handle([work], then), async_op)
 
     def reduce_scatter_sum(self, full: torch.Tensor, async_op: bool = False,
-                           then: Optional[Callable[[], None]] = None) -> Handle:
-        """Sum ``full`` over the group into this rank's chunk of it, in place.
+                           then: Optional[Callable[[], None]] = None,
+                           out: Optional[torch.Tensor] = None) -> Handle:
+        """Sum ``full`` over the group into this rank's chunk of it, in place, or into ``out``.
 
         ``full`` is 1-D with a length divisible by the group size; after the wait, chunk
         ``rank`` of ``full`` holds the sum. The other chunks are used as scratch and hold
-        unspecified values.
+        unspecified values. With ``out`` (a tensor of one chunk's size and ``full``'s dtype)
+        the sum lands there instead, with no copy where the form allows (the exchange and the
+        all-to-all write it there directly), and chunk ``rank`` of ``full`` is scratch too.
         """
         n = self.world_size
         if n == 1:
+            if out is not None:
+                out.copy_(full)
             return self._finish(Handle([], then), async_op)
         self.counter.add("reduce_scatter", full.numel() * full.element_size() * (n - 1) / n, self.label)
         chunks = full.chunk(n)
@@ -275,13 +280,16 @@ class Comm:
         form = self.form()
         if form == "all_to_all" and n == 2:  # an exchange: the peer's chunk there, its copy of mine here
             peer, splits = self._pair(mine.numel())
-            received = SCRATCH.take(mine.numel(), full.dtype, full.device)
+            received = SCRATCH.take(mine.numel(), full.dtype, full.device) if out is None else out
             works = [dist.all_to_all_single(received, chunks[peer], output_split_sizes=splits,
                                             input_split_sizes=splits, group=self.group, async_op=True)]
 
             def add_up(after=then):
-                mine.add_(received)
-                SCRATCH.give_back(received)
+                if out is None:
+                    mine.add_(received)
+                    SCRATCH.give_back(received)
+                else:
+                    out.add_(mine)
                 if after is not None:
                     after()
             then = add_up
@@ -290,16 +298,24 @@ class Comm:
             works = [dist.all_to_all_single(received, full, group=self.group, async_op=True)]
 
             def add_up(after=then):
-                torch.sum(received.view(n, -1), dim=0, out=mine)
+                torch.sum(received.view(n, -1), dim=0, out=mine if out is None else out)
                 SCRATCH.give_back(received)
                 if after is not None:
                     after()
             then = add_up
-        elif form == "per_owner":
-            works = [dist.reduce(c, dst=self.global_ranks[i], op=dist.ReduceOp.SUM,
-                                 group=self.group, async_op=True) for i, c in enumerate(chunks)]
         else:
-            works = [_REDUCE_SCATTER(mine, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True)]
+            if form == "per_owner":
+                works = [dist.reduce(c, dst=self.global_ranks[i], op=dist.ReduceOp.SUM,
+                                     group=self.group, async_op=True) for i, c in enumerate(chunks)]
+            else:
+                works = [_REDUCE_SCATTER(mine if out is None else out, full, op=dist.ReduceOp.SUM,
+                                         group=self.group, async_op=True)]
+            if out is not None and form == "per_owner":
+                def copy_out(after=then):
+                    out.copy_(mine)
+                    if after is not None:
+                        after()
+                then = copy_out
         return self._finish(Handle(works, then), async_op)
 
     def all_gather(self, full: torch.Tensor, async_op: bool = False,

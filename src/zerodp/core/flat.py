@@ -352,6 +352,16 @@ class FlatGroup:
         numel = self.padded_numel if self.grad_full is not None else self.shard_numel
         return numel * self.grad_dtype.itemsize
 
+    def claim_grad_shard(self, dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """The gradient shard, newly allocated for the step's first reduction to land in
+        (stages 2-3; the reduce-scatter writes it, no copy); None when the shard already
+        holds an earlier reduction or ``dtype`` is not the gradients' (then the reduced part
+        goes through ``add_to_grad_shard``)."""
+        if self.grad_full is not None or self.grad_shard is not None or dtype != self.grad_dtype:
+            return None
+        self.grad_shard = torch.empty(self.shard_numel, dtype=self.grad_dtype, device=self.device)
+        return self.grad_shard
+
     def add_to_grad_shard(self, reduced: torch.Tensor) -> None:
         """Add this rank's reduced part of a gradient bucket into ``grad_shard`` (stages 2-3),
         allocating the shard with the first one of a step."""

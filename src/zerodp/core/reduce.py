@@ -16,9 +16,10 @@ What it does per stage comes from the ``StagePolicy`` (``stages.py``):
   buffer (``p.grad`` is a view of it), which is all-reduced (stage 0) or reduce-scattered
   (stage 1) in place; in a backward that does not reduce they only accumulate;
 * stages 2-3: each group's gradients are written into a temporary full-size bucket, which is
-  reduce-scattered; when it is waited for, this rank's part is added into the group's
-  gradient shard (allocated by the step's first reduction, freed after the update) and the
-  bucket is freed. At most ``MAX_BUCKETS_IN_FLIGHT`` reductions are in flight at once;
+  reduce-scattered: the step's first reduction of a group writes its sum straight into the
+  group's gradient shard (allocated then, freed after the update); a later one's part is
+  added into it when it is waited for. Then the bucket is freed. At most
+  ``MAX_BUCKETS_IN_FLIGHT`` reductions are in flight at once;
 * stages 0-2 launch a group once all its parameters have a gradient; stage 3
   (``reduces_per_unit``) launches a unit's groups when backward has gone through the unit,
   so ranks whose unit got no gradient for some parameter still issue the same collectives.
@@ -218,10 +219,16 @@ class GradReducer:
                                                 then=lambda g=g, tmp=tmp: g.grad_shard.copy_(g.shard_of(tmp))))
             return
 
-        def then(g=g, buf=buf, t=t):  # stages 2-3: keep this rank's part of the bucket, free it
-            g.add_to_grad_shard(g.shard_of(buf))
+        # stages 2-3: the step's first reduction of a group lands in its gradient shard; a later
+        # one (accumulation) is added into it from this rank's part of the bucket; then the bucket is freed
+        out = g.claim_grad_shard(buf.dtype) if collective == self.comm.reduce_scatter_sum else None
+
+        def then(g=g, buf=buf, t=t, out=out):
+            if out is None:
+                g.add_to_grad_shard(g.shard_of(buf))
             self._buckets.pop(t, None)
-        self._handles.append(collective(buf, async_op=self.overlap_comm, then=then))
+        extra = {} if out is None else {"out": out}
+        self._handles.append(collective(buf, async_op=self.overlap_comm, then=then, **extra))
         # bound the buckets alive at once: wait for the oldest beyond MAX_BUCKETS_IN_FLIGHT
         self._handles = [h for h in self._handles if not h.done]
         if len(self._handles) > MAX_BUCKETS_IN_FLIGHT:
