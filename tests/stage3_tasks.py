@@ -129,6 +129,10 @@ def prefetch_task(group, prefetch: int, reuse: int = 0) -> dict:
     first_backward: list[int] = []
     hooks.append(engine.units[-1].module.register_full_backward_hook(
         lambda m, gin, gout: first_backward.append(sum(u.gathered for u in engine.units[1:]))))
+    # whether the first unit is on its way when the model's forward begins (after the engine's hook)
+    first_unit_at_start: list[bool] = []
+    hooks.append(engine.module.register_forward_pre_hook(
+        lambda m, args: first_unit_at_start.append(engine.units[1].gathered)))
     for step in range(3):
         x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank))
         engine.backward(engine(x).pow(2).mean())
@@ -144,7 +148,8 @@ def prefetch_task(group, prefetch: int, reuse: int = 0) -> dict:
     return {"peak": mem["gathered_parameters_peak"], "unit_bytes": unit_bytes, "params": params,
             "units": len(engine.units), "order": engine.prefetcher.order,
             "all_gather": engine.comm_stats()["all_gather"], "shard_bytes_while_gathered": max(held),
-            "shards_back": shards_back, "gathered_in_first_backward_unit": first_backward[-1]}
+            "shards_back": shards_back, "gathered_in_first_backward_unit": first_backward[-1],
+            "first_unit_at_start": first_unit_at_start}
 
 
 class Reorder(nn.Module):

@@ -66,7 +66,10 @@ def test_prefetch_bounds_live_parameters_and_keeps_numbers(pool):
     """Without prefetch one unit's parameters are gathered at a time; prefetching one unit
     ahead keeps at most two alive, two units ahead at most three (the units prefetched
     earlier count toward the bucket: it bounds what is gathered ahead, not what is newly
-    gathered at each unit); the trained parameters are identical either way."""
+    gathered at each unit); the trained parameters are identical either way. With prefetch,
+    the first unit is on its way when the forward begins, and the last unit of forward, the
+    first of backward, stays gathered between them (one all-gather fewer per step, as
+    DeepSpeed's prefetcher keeps what its window reaches) even at reuse distance 0."""
     from stage3_tasks import prefetch_task
     off = pool.run(prefetch_task, 2, 0)
     one = pool.run(prefetch_task, 2, 256)          # one 16x16 unit ahead
@@ -86,6 +89,13 @@ def test_prefetch_bounds_live_parameters_and_keeps_numbers(pool):
     for res in (one, two):
         for name, want in off[0]["params"].items():
             assert torch.equal(res[0]["params"][name], want), name
+    unit_allgather = 256 * 4 / 2                       # one 16x16 unit, fp32, ring count at world 2
+    assert off[0]["all_gather"] == pytest.approx(12 * unit_allgather, abs=4)
+    assert off[0]["first_unit_at_start"] == [False] * 3
+    for res in (one, two):
+        assert res[0]["all_gather"] == pytest.approx(11 * unit_allgather, abs=4)
+        # the order is recorded by the first forward; the later ones prefetch from their start
+        assert res[0]["first_unit_at_start"] == [False, True, True]
 
 
 def test_reuse_distance_keeps_units_gathered(pool):

@@ -15,15 +15,16 @@ def build_known_model(widths: list[int], seed: int = 0) -> nn.Module:
 
 
 def measure(group, stage: int, widths: list[int], gas: int = 1, steps: int = 2,
-            bucket: int = 500_000_000, precision: str = "fp32") -> dict:
-    """Train a bias-free MLP with AdamW (``precision``: fp32, bf16 or fp16); return the
-    engine's ledger and byte counts."""
+            bucket: int = 500_000_000, precision: str = "fp32", prefetch: int = 50_000_000) -> dict:
+    """Train a bias-free MLP with AdamW (``precision``: fp32, bf16 or fp16; ``prefetch``: the
+    stage-3 prefetch bucket, elements); return the engine's ledger and byte counts."""
     rank = dist.get_rank(group)
     model = build_known_model(widths)
     cfg = {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": gas,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "steps_per_print": 10**9,
            "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "overlap_comm": True,
                                  "stage3_param_persistence_threshold": 1,
+                                 "stage3_prefetch_bucket_size": prefetch,
                                  "stage3_max_reuse_distance": 0}}
     if precision != "fp32":  # a small fp16 loss scale: no overflow, so no skipped step
         cfg[precision] = {"enabled": True, **({"initial_scale_power": 4} if precision == "fp16" else {})}

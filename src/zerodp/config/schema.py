@@ -168,7 +168,9 @@ class ZeroConfig(_Section):
     stage3_prefetch_bucket_size: _NonNegative = Field(
         50_000_000, description="Stage 3: while a unit computes, all-gather the units expected next (recorded forward "
                                 "order; reverse in backward) while the units gathered ahead of it hold at most this "
-                                "many elements (the next unit is always allowed); 0 disables prefetching.")
+                                "many elements (the next unit is always allowed); the first units start when the "
+                                "forward does, and the last unit of forward, which backward uses next, stays gathered "
+                                "between them. 0 disables prefetching.")
     stage3_param_persistence_threshold: _NonNegative = Field(
         100_000, description="Stage 3: a module becomes a unit (gathered before its forward and backward, released "
                              "after) when its parameters not claimed by a unit below it number at least this many "
@@ -181,7 +183,8 @@ class ZeroConfig(_Section):
         1_000_000_000, description="Stage 3: after its forward, a unit stays gathered when the recorded order uses it "
                                    "again (later in forward or in backward) before this many elements of other units "
                                    "are gathered, within stage3_max_live_parameters; 0 releases every unit after each "
-                                   "use.")
+                                   "use (with prefetching on, all but the last unit of forward: backward uses it "
+                                   "next).")
     stage3_gather_16bit_weights_on_model_save: bool = Field(
         False, description="What engine.zero_gather_16bit_weights_on_model_save() returns: whether Accelerate and the "
                            "Trainer's save_model may gather the full weights at stage 3 (without it they save a "

@@ -84,9 +84,12 @@ class Prefetcher:
     order; reverse order in backward) as asynchronous collectives, while the units gathered
     ahead of the current one (those prefetched earlier included) hold at most
     ``bucket_numel`` elements, and never beyond ``max_live_numel`` gathered elements. The
-    first unit of backward runs at the step's memory peak (every activation is still alive),
-    so the units after it are prefetched when its backward is done rather than while it
-    computes: at most one exposed gather per step, for one unit less at the peak.
+    first units are prefetched when the forward begins, while the root unit is gathered. The
+    last unit of forward is the first of backward: it stays gathered between them (used again
+    before any other unit is gathered; DeepSpeed's prefetcher keeps it too). The first unit of
+    backward runs at the step's memory peak (every activation is still alive), so the units
+    after it are prefetched when its backward is done rather than while it computes: at most
+    one exposed gather per step, for one unit less at the peak.
     When a forward departs from the recorded order, prefetching stops for that pass and
     the order is recorded again in the next one (prefetching resumes in the one after).
     Every rank takes the same decisions, so the collectives stay in the same order on every
@@ -124,6 +127,8 @@ class Prefetcher:
         self._recording, self._pos, self._bpos, self._last_backward = [], 0, 0, -1
         self._deferred = None
         self._valid = self.order is not None
+        if self._valid and not self.suspended:  # the first units, while the root unit is gathered
+            self._prefetch(self.order)
 
     def end_forward(self) -> None:
         self._check_same_unit_everywhere(END_OF_FORWARD)
@@ -198,14 +203,22 @@ class Prefetcher:
                 self._prefetch(self.order[::-1][self._bpos:])
 
     def keep_after_forward(self, unit: Unit) -> bool:
-        """Whether ``unit`` should stay gathered after its forward: the recorded order says it
-        is used again (later in forward, or in backward) before more than
+        """Whether ``unit`` should stay gathered after its forward: with prefetching on, when
+        the recorded order uses it next (the last unit of forward, first of backward);
+        otherwise when it is used again (later in forward, or in backward) before more than
         ``stage3_max_reuse_distance`` elements of other units are gathered, and keeping it
         stays within ``stage3_max_live_parameters``."""
-        if self.order is None or not self._valid or self.max_reuse_numel <= 0:
+        if self.order is None or not self._valid:
+            return False
+        upcoming = self.order[self._pos:] + self.order[::-1]
+        if self.bucket_numel > 0 and upcoming[0] == unit.index:
+            # used again before any other unit (the last unit of forward is the first of
+            # backward): what the prefetcher would gather next is already here
+            return True
+        if self.max_reuse_numel <= 0:
             return False
         distance, seen = 0, set()
-        for index in self.order[self._pos:] + self.order[::-1]:
+        for index in upcoming:
             if index == unit.index:
                 break
             if index not in seen:
@@ -356,9 +369,10 @@ def install_root_hooks(model: nn.Module, units: list[Unit], prefetcher: Prefetch
             units[0].gather()
             return
         depth += 1
-        if depth == 1:
-            units[0].gather()
+        if depth == 1:  # the root unit on its way, then the first units' prefetch, then wait for the root
+            units[0].gather(async_op=True)
             prefetcher.start_forward()
+            units[0].gather()
 
     def post_forward(module, args, output):
         nonlocal depth
