@@ -152,6 +152,37 @@ def prefetch_task(group, prefetch: int, reuse: int = 0) -> dict:
             "first_unit_at_start": first_unit_at_start}
 
 
+def collective_order_task(group) -> list:
+    """Six equal units, one prefetched ahead; returns the last step's collectives in issue
+    order: ("ag", unit) for an all-gather, ("rs", unit) for a reduce-scatter."""
+    from zerodp.core.collectives import Comm
+    rank = dist.get_rank(group)
+    events: list = []
+    original = Comm.all_gather, Comm.reduce_scatter_sum
+    try:
+        Comm.all_gather = lambda self, full, *a, **k: (events.append(("ag", id(full))),
+                                                       original[0](self, full, *a, **k))[1]
+        Comm.reduce_scatter_sum = lambda self, full, *a, **k: (events.append(("rs", full.numel())),
+                                                               original[1](self, full, *a, **k))[1]
+        engine, _, _, _ = zerodp.initialize(model=deep_net(), config=_stage3_config(256), process_group=group)
+        unit_of = {id(g.full): g.unit for g in engine.flat_groups}
+        for step in range(3):
+            events.clear()
+            x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank))
+            loss = engine(x).pow(2).mean()
+            launched = len(events)
+            engine.backward(loss)
+            engine.step()
+    finally:
+        Comm.all_gather, Comm.reduce_scatter_sum = original
+    engine.destroy()
+    # a reduce-scatter's bucket is new each time: name it by the unit whose backward launched it
+    backward, done = [], iter(reversed(range(1, len(engine.units))))
+    for kind, key in events[launched:]:
+        backward.append(("ag", unit_of[key]) if kind == "ag" else ("rs", next(done)))
+    return [("ag", unit_of[key]) for _, key in events[:launched]] + backward
+
+
 class Reorder(nn.Module):
     """Three units whose forward order flips in some steps (on every rank)."""
 

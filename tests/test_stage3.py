@@ -98,6 +98,17 @@ def test_prefetch_bounds_live_parameters_and_keeps_numbers(pool):
         assert res[0]["first_unit_at_start"] == [False, True, True]
 
 
+def test_backward_gathers_the_next_unit_before_reducing_the_last(pool):
+    """When backward leaves a unit, the next unit's all-gather is issued before the unit's
+    reduce-scatter: backward waits for the gather, not for the reduction."""
+    from stage3_tasks import collective_order_task
+    events = pool.run(collective_order_task, 2)[0]
+    forward = [("ag", u) for u in range(1, 7)]          # the first at the start, each next one ahead
+    assert events[:6] == forward, events
+    assert events[6:] == [("ag", 5), ("rs", 6), ("ag", 4), ("rs", 5), ("ag", 3), ("rs", 4),
+                          ("ag", 2), ("rs", 3), ("ag", 1), ("rs", 2), ("rs", 1)], events
+
+
 def test_reuse_distance_keeps_units_gathered(pool):
     """stage3_max_reuse_distance: a unit used again soon stays gathered after its forward.
     With room for one other unit, only the last unit of forward is kept for backward (one

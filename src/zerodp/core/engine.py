@@ -368,9 +368,9 @@ class ZeroEngine(EngineAPI, nn.Module):
         """Stage 3: backward has gone through ``unit``; reduce its gradients, release it."""
         if not self._in_engine_backward and not self._plain.active:
             self._plain.begin()
-        self.reducer.on_unit_done(unit.index)
         unit.release()
-        self.prefetcher.after_backward(unit)
+        self.prefetcher.after_backward(unit)  # the next units' all-gathers go first: backward waits for them
+        self.reducer.on_unit_done(unit.index)
 
     @contextlib.contextmanager
     def parameters_held(self):
