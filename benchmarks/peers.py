@@ -44,8 +44,9 @@ Bytes communicated, counted inside each worker:
 * "comm": every ``torch.distributed`` collective called from Python is wrapped, and each
   call is charged what the ring algorithm sends per rank for it (all-reduce of B bytes
   2B(N-1)/N; reduce-scatter, all-gather, broadcast or reduce of a B-byte buffer B(N-1)/N;
-  a send B), whatever the backend really runs. DDP's gradient all-reduces are issued from
-  C++ and are taken from DDP's own bucket sizes instead.
+  a send B; an all-to-all what it sends to the other ranks), whatever the backend really
+  runs. DDP's gradient all-reduces are issued from C++ and are taken from DDP's own bucket
+  sizes instead.
 * "socket": bytes this process wrote to its sockets during the timed steps
   (``wchar`` in ``/proc/self/io``), i.e. what gloo really sent, with its own algorithms.
 
@@ -121,6 +122,13 @@ class CollectiveCounter:
             n = dist.get_world_size(a.get("group"))
             return (n - 1) / n
 
+        def a2a_sent(a) -> float:  # what goes to the other ranks (split sizes: not the own part)
+            t, splits = a["input"], a.get("input_split_sizes")
+            if not splits:
+                return nbytes(t) * frac(a)
+            row = nbytes(t) // max(t.shape[0], 1)
+            return (sum(splits) - splits[dist.get_rank(a.get("group"))]) * row
+
         def p2p_sent(a) -> float:
             ops = a["p2p_op_list"]
             return sum(nbytes(op.tensor) for op in ops if getattr(op.op, "__name__", "") in ("isend", "send"))
@@ -141,7 +149,7 @@ class CollectiveCounter:
             "_reduce_scatter_base": lambda a: nbytes(a["input"]) * frac(a),
             "reduce_scatter_single": lambda a: nbytes(a["input"]) * frac(a),
             "all_to_all": lambda a: sum(map(nbytes, a["input_tensor_list"])) * frac(a),
-            "all_to_all_single": lambda a: nbytes(a["input"]) * frac(a),
+            "all_to_all_single": a2a_sent,
             "gather": lambda a: nbytes(a["tensor"]) * frac(a),
             "scatter": lambda a: nbytes(a["tensor"]) * frac(a),
             "send": lambda a: nbytes(a["tensor"]),

@@ -1,6 +1,7 @@
 """benchmarks/peers.py: its pure helpers (fast), and one cheap end-to-end run (slow, not in
 the default selection: ``pytest -m slow tests/test_bench_peers.py``)."""
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -109,5 +110,13 @@ def test_peers_end_to_end_cheap(tmp_path):
     for system in systems:
         assert f"| 2 | {system} |" in table
     assert (tmp_path / "peers.json").exists()
+    # the wrapped collectives' ring bytes agree with the engine's own count (zerodp's gloo
+    # all-gathers and reduce-scatters are all-to-alls: an exchange at world 2 sends a whole chunk)
+    runs = json.loads((tmp_path / "peers.json").read_text())["runs"]
+    for system in ("zero1", "zero3"):
+        rows = next(r["rows"] for r in runs if r["system"] == system and r["kind"] == "time")
+        for row in rows:
+            own = row["own_comm_bytes_last_step"]
+            assert own > 0 and abs(row["comm_bytes_per_step"] - own) < 0.02 * own, (system, row)
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "peers.png").stat().st_size > 0
