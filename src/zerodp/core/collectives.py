@@ -173,6 +173,15 @@ class ScratchPool:
 SCRATCH = ScratchPool()
 
 
+def _chain(first: Callable[[], None], then: Optional[Callable[[], None]]) -> Callable[[], None]:
+    """What a handle runs once its work is done: ``first``, then ``then`` (the caller's, if any)."""
+    def run() -> None:
+        first()
+        if then is not None:
+            then()
+    return run
+
+
 class Handle:
     """Outstanding collective work; ``wait()`` blocks until done and runs ``then`` once."""
 
@@ -284,38 +293,29 @@ class Comm:
             works = [dist.all_to_all_single(received, chunks[peer], output_split_sizes=splits,
                                             input_split_sizes=splits, group=self.group, async_op=True)]
 
-            def add_up(after=then):
+            def add_up():
                 if out is None:
                     mine.add_(received)
                     SCRATCH.give_back(received)
                 else:
                     out.add_(mine)
-                if after is not None:
-                    after()
-            then = add_up
+            then = _chain(add_up, then)
         elif form == "all_to_all":  # every rank's chunk `rank` arrives here, and is summed
             received = SCRATCH.take(full.numel(), full.dtype, full.device)
             works = [dist.all_to_all_single(received, full, group=self.group, async_op=True)]
 
-            def add_up(after=then):
+            def add_up():
                 torch.sum(received.view(n, -1), dim=0, out=mine if out is None else out)
                 SCRATCH.give_back(received)
-                if after is not None:
-                    after()
-            then = add_up
+            then = _chain(add_up, then)
+        elif form == "per_owner":
+            works = [dist.reduce(c, dst=self.global_ranks[i], op=dist.ReduceOp.SUM,
+                                 group=self.group, async_op=True) for i, c in enumerate(chunks)]
+            if out is not None:
+                then = _chain(lambda: out.copy_(mine), then)
         else:
-            if form == "per_owner":
-                works = [dist.reduce(c, dst=self.global_ranks[i], op=dist.ReduceOp.SUM,
-                                     group=self.group, async_op=True) for i, c in enumerate(chunks)]
-            else:
-                works = [_REDUCE_SCATTER(mine if out is None else out, full, op=dist.ReduceOp.SUM,
-                                         group=self.group, async_op=True)]
-            if out is not None and form == "per_owner":
-                def copy_out(after=then):
-                    out.copy_(mine)
-                    if after is not None:
-                        after()
-                then = copy_out
+            works = [_REDUCE_SCATTER(mine if out is None else out, full, op=dist.ReduceOp.SUM,
+                                     group=self.group, async_op=True)]
         return self._finish(Handle(works, then), async_op)
 
     def all_gather(self, full: torch.Tensor, async_op: bool = False,
@@ -339,12 +339,7 @@ class Comm:
             copies = SCRATCH.take(full.numel(), full.dtype, full.device)
             copies.view(n, -1).copy_(chunks[self.rank].expand(n, -1))
             works = [dist.all_to_all_single(full, copies, group=self.group, async_op=True)]
-
-            def release(after=then):  # the copies live until the work is done
-                SCRATCH.give_back(copies)
-                if after is not None:
-                    after()
-            then = release
+            then = _chain(lambda: SCRATCH.give_back(copies), then)  # the copies live until the work is done
         elif form == "per_owner":
             works = [dist.broadcast(c, src=self.global_ranks[i], group=self.group, async_op=True)
                      for i, c in enumerate(chunks)]

@@ -210,15 +210,15 @@ class Prefetcher:
         stays within ``stage3_max_live_parameters``."""
         if self.order is None or not self._valid:
             return False
-        upcoming = self.order[self._pos:] + self.order[::-1]
-        if self.bucket_numel > 0 and upcoming[0] == unit.index:
+        following = self.order[self._pos] if self._pos < len(self.order) else self.order[-1]
+        if self.bucket_numel > 0 and following == unit.index:
             # used again before any other unit (the last unit of forward is the first of
             # backward): what the prefetcher would gather next is already here
             return True
         if self.max_reuse_numel <= 0:
             return False
         distance, seen = 0, set()
-        for index in upcoming:
+        for index in self.order[self._pos:] + self.order[::-1]:
             if index == unit.index:
                 break
             if index not in seen:
