@@ -1,4 +1,9 @@
 """Stage 3 specifics: how units are chosen, and GatheredParameters."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from stage3_tasks import modify_with_gathered_parameters
@@ -145,13 +150,45 @@ def test_changed_unit_order_is_recorded_again(pool, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_ranks_running_different_units_fail_clearly(pool, world):
     """Data-dependent branches that differ between ranks give an error on every rank, within
-    seconds, naming which rank ran which unit, instead of a hang in mismatched collectives."""
+    seconds, naming which rank ran which unit, instead of a hang in mismatched collectives
+    (here in the first step: the order of units is being recorded, the ranks agree at every unit)."""
     from stage3_tasks import divergent_task
     errors = pool.run(divergent_task, world, timeout=60)
     for err in errors:
         assert "rank 0 ran unit" in err and "(branch)" in err, err
         assert "rank 1 ran unit" in err, err
     assert len(set(errors)) == 1
+
+
+def test_ranks_agree_once_per_forward_while_prefetching(pool):
+    """The check that every rank runs the same unit waits at every unit while the order is
+    recorded (first step) and without prefetching (each unit's gather waits for the ranks
+    anyway), but only at the end of the forward once units are prefetched from the recorded
+    order: the ranks do not wait for each other at every unit."""
+    from stage3_tasks import agreement_task
+    assert pool.run(agreement_task, 2, 0)[0] == [7, 7, 7]       # six units and the end of forward
+    assert pool.run(agreement_task, 2, 256)[0] == [7, 1, 1]     # one unit ahead
+    assert pool.run(agreement_task, 1, 256)[0] == [0, 0, 0]     # alone: nothing to agree on
+
+
+def test_ranks_diverging_while_prefetching_fail_and_the_job_ends():
+    """Once the order is recorded the ranks agree lazily (no wait at every unit): a branch taken
+    by rank 0 alone in the third step still gives every rank the same error, and the job ends
+    (torchrun, ``diverge_script.py``) although the rank that kept to the plan has collectives
+    in flight that its peer never joins."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(Path(__file__).parent / "diverge_script.py")]
+    src = str(Path(__file__).parent.parent / "src")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "no error" not in out, out[-3000:]
+    errors = {line.split(": ", 1)[0]: line.split(": ", 1)[1] for line in proc.stdout.splitlines()
+              if line.startswith("rank ")}
+    assert set(errors) == {"rank 0 step 2", "rank 1 step 2"}, out[-3000:]
+    assert len(set(errors.values())) == 1, errors
+    message = errors["rank 0 step 2"]
+    assert "rank 0 ran unit" in message and "(branch); rank 1 ran unit" in message and "(norm)" in message, message
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

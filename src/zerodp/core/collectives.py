@@ -201,6 +201,47 @@ class Handle:
             then()
 
 
+class PendingInts:
+    """``Comm.all_gather_ints`` in flight: ``result()`` waits for it and gives every rank's
+    ints. On a GPU the values are copied to the host on a side stream once the collective is
+    done, so neither the compute stream nor the host waits for them before ``result()``."""
+
+    def __init__(self, work, out: Optional[torch.Tensor], keep: Optional[torch.Tensor] = None,
+                 values: Optional[list[list[int]]] = None) -> None:
+        self._work, self._out, self._event = work, out, None
+        self._keep = keep  # the input stays alive until the collective is done
+        self._values = values  # known already (a group of one)
+        if out is not None and out.is_cuda:
+            stream = _side_stream(out.device)
+            with torch.cuda.stream(stream):
+                work.wait()  # the side stream waits for the collective, nothing else does
+                self._host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+                self._host.copy_(out, non_blocking=True)
+                self._event = torch.cuda.Event()
+                self._event.record(stream)
+
+    def result(self) -> list[list[int]]:
+        if self._values is None:
+            if self._event is not None:
+                self._event.synchronize()
+                self._values = self._host.tolist()
+            else:
+                self._work.wait()
+                self._values = self._out.tolist()
+            self._work = self._out = self._keep = self._event = None
+        return self._values
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device: torch.device):
+    """One side stream per GPU for reading small collectives' results back to the host."""
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
+    return _SIDE_STREAMS[device]
+
+
 class Comm:
     """The collectives of one process group, with the backend's fast forms and byte counts.
 
@@ -347,18 +388,21 @@ class Comm:
             works = [_ALL_GATHER(full, chunks[self.rank], group=self.group, async_op=True)]
         return self._finish(Handle(works, then), async_op)
 
-    def all_gather_ints(self, values: list[int]) -> list[list[int]]:
+    def all_gather_ints(self, values: list[int], async_op: bool = False):
         """Every rank's short list of ints (same length on every rank), in rank order;
         counted as control traffic. The ranks' values land in one tensor, read back to the host
-        at once (on NCCL one device-to-host copy, not one per rank)."""
+        at once (on NCCL one device-to-host copy, not one per rank). With ``async_op`` the
+        all-gather stays in flight and a ``PendingInts`` is returned: its ``result()`` waits."""
         if self.world_size == 1:
-            return [list(values)]
-        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else None
-        mine = torch.tensor(values, dtype=torch.int64, device=device)
-        out = torch.empty(self.world_size, mine.numel(), dtype=torch.int64, device=device)
-        self.counter.add("control", mine.numel() * 8 * (self.world_size - 1), self.label)
-        dist.all_gather(list(out.unbind(0)), mine, group=self.group)
-        return out.tolist()
+            pending = PendingInts(None, None, values=[list(values)])
+        else:
+            device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else None
+            mine = torch.tensor(values, dtype=torch.int64, device=device)
+            out = torch.empty(self.world_size, mine.numel(), dtype=torch.int64, device=device)
+            self.counter.add("control", mine.numel() * 8 * (self.world_size - 1), self.label)
+            work = dist.all_gather(list(out.unbind(0)), mine, group=self.group, async_op=True)
+            pending = PendingInts(work, out, mine)
+        return pending if async_op else pending.result()
 
     def all_gather_list(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``tensor`` (same shape on every rank), in rank order (saving and

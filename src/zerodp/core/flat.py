@@ -281,6 +281,11 @@ class FlatGroup:
     def gathered(self) -> bool:
         return self.full.untyped_storage().nbytes() > 0
 
+    @property
+    def gather_in_flight(self) -> bool:
+        """An asynchronous all-gather (a prefetch) was started and not yet waited for."""
+        return self._pending is not None and not self._pending.done
+
     def release(self) -> None:
         """Free the full buffer's storage (stage 3, after use)."""
         self.wait_gathered()

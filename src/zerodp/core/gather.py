@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 import torch
 from torch import nn
 
+from .agree import END_OF_FORWARD, UnitAgreement
 from .flat import FlatGroup
 from .init_shards import adopted, full_values, init_shard
 from .param_api import GatheredParameters, external_users, register_external_parameter, register_params  # noqa: F401
@@ -73,9 +74,6 @@ def _inside_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-END_OF_FORWARD = -1
-
-
 class Prefetcher:
     """Gathers the units expected next while the current one computes.
 
@@ -93,7 +91,7 @@ class Prefetcher:
     When a forward departs from the recorded order, prefetching stops for that pass and
     the order is recorded again in the next one (prefetching resumes in the one after).
     Every rank takes the same decisions, so the collectives stay in the same order on every
-    rank.
+    rank; ``UnitAgreement`` checks that the ranks run the same units (``agree.py``).
     """
 
     def __init__(self, units: list[Unit], bucket_numel: int, max_live_numel: int,
@@ -110,6 +108,8 @@ class Prefetcher:
         self.peak_gathered_bytes = 0
         self.gather_wait_s = 0.0  # time spent waiting for units to arrive (exposed gathers)
         self.suspended = False  # every unit is held gathered (``ZeroEngine.parameters_held``): nothing to do
+        self.agreement = UnitAgreement(units[0].comm, lambda i: self.units[i].name or "root") if units else None
+        self._prefetched_at: dict[int, int] = {}  # unit index -> announcements made when its prefetch began
 
     @property
     def recorded(self) -> bool:
@@ -131,29 +131,16 @@ class Prefetcher:
             self._prefetch(self.order)
 
     def end_forward(self) -> None:
-        self._check_same_unit_everywhere(END_OF_FORWARD)
+        self.agreement.announce(END_OF_FORWARD)
+        self.agreement.settle()
         if self.order is None:
             self.order = self._recording
 
-    def _check_same_unit_everywhere(self, index: int) -> None:
-        """Fail on every rank, instead of hanging in mismatched collectives, when the ranks
-        are about to run different units (data-dependent branches)."""
-        comm = self.units[0].comm
-        if comm.world_size == 1:
-            return
-        seen = [v[0] for v in comm.all_gather_ints([index])]
-        if len(set(seen)) > 1:
-            def what(i):
-                return "ended its forward" if i == END_OF_FORWARD else \
-                    f"ran unit {i} ({self.units[i].name or 'root'})"
-            raise RuntimeError(
-                "stage 3 needs every rank to run the same modules in the same order, but "
-                + "; ".join(f"rank {r} {what(i)}" for r, i in enumerate(seen))
-                + ". Make the branch the same on every rank (e.g. run both and mask), or put "
-                "the modules that may be skipped inside a unit that always runs "
-                "(raise stage3_param_persistence_threshold), or use stage 2.")
-
     def _gather_now(self, unit: Unit) -> None:
+        if not unit.gathered:  # a collective of its own, not from the plan: every rank agrees first
+            self.agreement.settle()
+        elif any(g.gather_in_flight for g in unit.groups):  # prefetched: the ranks agreed up to there
+            self.agreement.settle(self._prefetched_at.get(unit.index))
         t0 = time.perf_counter()
         unit.gather()
         self.gather_wait_s += time.perf_counter() - t0
@@ -161,7 +148,10 @@ class Prefetcher:
     def before_forward(self, unit: Unit) -> None:
         if self.suspended:
             return
-        self._check_same_unit_everywhere(unit.index)
+        self.agreement.announce(unit.index)
+        on_plan = self._valid and self._pos < len(self.order) and self.order[self._pos] == unit.index
+        if not on_plan:  # what comes next is not in the plan: the ranks agree before any collective
+            self.agreement.settle()
         self._gather_now(unit)
         if self.order is None:
             self._recording.append(unit.index)
@@ -249,6 +239,7 @@ class Prefetcher:
             if live + unit.numel > self.max_live_numel or (budget < self.bucket_numel and unit.numel > budget):
                 break
             unit.gather(async_op=True)
+            self._prefetched_at[index] = self.agreement.announced
             live += unit.numel
             budget -= unit.numel
             if budget <= 0:
