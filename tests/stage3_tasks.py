@@ -229,15 +229,15 @@ def agreement_task(group, prefetch: int) -> list[int]:
     """Six equal units, three steps; returns how many times per step every rank waited for the
     others to reach the same call (to agree on the unit it runs)."""
     engine, _, _, _ = zerodp.initialize(model=deep_net(), config=_stage3_config(prefetch), process_group=group)
-    waits = []
+    meetings = []
     for step in range(3):
         before = engine.prefetcher.agreement.meetings
         x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
         engine.backward(engine(x).pow(2).mean())
         engine.step()
-        waits.append(engine.prefetcher.agreement.meetings - before)
+        meetings.append(engine.prefetcher.agreement.meetings - before)
     engine.destroy()
-    return waits
+    return meetings
 
 
 def divergent_task(group) -> str:

@@ -156,7 +156,7 @@ class Prefetcher:
         if self.order is None:
             self._recording.append(unit.index)
         elif self._valid:
-            if self._pos < len(self.order) and self.order[self._pos] == unit.index:
+            if on_plan:
                 self._pos += 1
                 self._prefetch(self.order[self._pos:])
             else:  # the model ran a different sequence of units: record it in the next pass
