@@ -171,23 +171,23 @@ def test_ranks_agree_once_per_forward_while_prefetching(pool):
     assert pool.run(agreement_task, 1, 256)[0] == [0, 0, 0]     # alone: nothing to agree on
 
 
-def test_ranks_diverging_while_prefetching_fail_and_the_job_ends():
+def test_ranks_diverging_while_prefetching_fail_and_the_job_ends(tmp_path):
     """Once the order is recorded the ranks agree lazily (no wait at every unit): a branch taken
     by rank 0 alone in the third step still gives every rank the same error, and the job ends
     (torchrun, ``diverge_script.py``) although the rank that kept to the plan has collectives
     in flight that its peer never joins."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(Path(__file__).parent / "diverge_script.py")]
+           str(Path(__file__).parent / "diverge_script.py"), str(tmp_path)]
     src = str(Path(__file__).parent.parent / "src")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "no error" not in out, out[-3000:]
-    errors = {line.split(": ", 1)[0]: line.split(": ", 1)[1] for line in proc.stdout.splitlines()
-              if line.startswith("rank ")}
-    assert set(errors) == {"rank 0 step 2", "rank 1 step 2"}, out[-3000:]
-    assert len(set(errors.values())) == 1, errors
-    message = errors["rank 0 step 2"]
+    errors = {f.stem: f.read_text().split(": ", 1) for f in tmp_path.glob("rank*.txt")}
+    assert sorted(errors) == ["rank0", "rank1"], out[-3000:]
+    assert all(step == "step 2" for step, _ in errors.values()), errors
+    assert len({message for _, message in errors.values()}) == 1, errors
+    message = errors["rank0"][1]
     assert "rank 0 ran unit" in message and "(branch); rank 1 ran unit" in message and "(norm)" in message, message
 
 
