@@ -240,6 +240,44 @@ def agreement_task(group, prefetch: int) -> list[int]:
     return meetings
 
 
+class Peek(nn.Module):
+    """A unit whose forward reads a later unit's weight through ``GatheredParameters``: by
+    then that unit's all-gather is a prefetch, possibly still in flight."""
+
+    def __init__(self, width: int, later: nn.Linear):
+        super().__init__()
+        self.lin = nn.Linear(width, width, bias=False)
+        self.later = (later,)  # not a submodule: the weight stays in its own unit
+        self.seen: list[torch.Tensor] = []
+
+    def forward(self, x):
+        with zerodp.GatheredParameters(self.later[0].weight):
+            self.seen.append(self.later[0].weight.detach().clone())
+        return torch.tanh(self.lin(x))
+
+
+def peek_task(group, steps: int = 4) -> dict:
+    """Read a prefetched unit's weight inside a forward with ``GatheredParameters``, in every
+    step; returns what the forward saw and the weight read outside any forward right after."""
+    torch.manual_seed(0)
+    width = 512  # 1 MiB per weight: a prefetch takes long enough to be read while in flight
+    layers = [nn.Linear(width, width, bias=False) for _ in range(4)]
+    model = nn.Sequential(Peek(width, layers[-1]), *layers)
+    engine, _, _, _ = zerodp.initialize(model=model, config=_stage3_config(8 * width * width),
+                                        process_group=group)
+    seen, outside = [], []
+    for step in range(steps):
+        x = torch.randn(4, width, generator=torch.Generator().manual_seed(step))
+        loss = engine(x).pow(2).mean()
+        with zerodp.GatheredParameters(layers[-1].weight):
+            outside.append(layers[-1].weight.detach().clone())
+        engine.backward(loss)
+        engine.step()
+    seen = engine.module[0].seen
+    engine.destroy()
+    return {"seen": seen, "outside": outside}
+
+
 def divergent_task(group) -> str:
     """Rank 0 runs a branch the other ranks skip; returns the error every rank raised."""
     from parity_model import batch, build_model, make_config

@@ -171,24 +171,54 @@ def test_ranks_agree_once_per_forward_while_prefetching(pool):
     assert pool.run(agreement_task, 1, 256)[0] == [0, 0, 0]     # alone: nothing to agree on
 
 
-def test_ranks_diverging_while_prefetching_fail_and_the_job_ends(tmp_path):
-    """Once the order is recorded the ranks agree lazily (no wait at every unit): a branch taken
-    by rank 0 alone in the third step still gives every rank the same error, and the job ends
-    (torchrun, ``diverge_script.py``) although the rank that kept to the plan has collectives
-    in flight that its peer never joins."""
+def test_gathered_parameters_inside_a_forward_wait_for_a_prefetch(pool):
+    """A forward that reads a later unit's weight with ``GatheredParameters`` while that unit's
+    all-gather is a prefetch in flight sees the full weight, not a half-filled buffer."""
+    from stage3_tasks import peek_task
+    for res in pool.run(peek_task, 2):
+        assert len(res["seen"]) == len(res["outside"]) == 4
+        for step, (inside, outside) in enumerate(zip(res["seen"], res["outside"])):
+            assert torch.equal(inside, outside), f"step {step}: differs in {(inside != outside).sum()} places"
+
+
+def _run_diverge_script(out_dir, *args):
+    """``diverge_script.py`` under torchrun on 2 ranks: the finished process and its output."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(Path(__file__).parent / "diverge_script.py"), str(tmp_path)]
+           str(Path(__file__).parent / "diverge_script.py"), str(out_dir), *args]
     src = str(Path(__file__).parent.parent / "src")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
-    out = proc.stdout + proc.stderr
+    return proc, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("then", ["unit", "gathered"])
+def test_ranks_diverging_while_prefetching_fail_and_the_job_ends(tmp_path, then):
+    """Once the order is recorded the ranks agree lazily (no wait at every unit): a branch taken
+    by rank 0 alone in the third step still gives every rank the same error, and the job ends
+    (torchrun, ``diverge_script.py``) although the rank that kept to the plan has collectives
+    in flight that its peer never joins. Where the other rank's next step is a
+    ``GatheredParameters`` in the forward, the error names that instead of a unit."""
+    proc, out = _run_diverge_script(tmp_path, *(["gathered"] if then == "gathered" else []))
     assert proc.returncode != 0 and "no error" not in out, out[-3000:]
     errors = {f.stem: f.read_text().split(": ", 1) for f in tmp_path.glob("rank*.txt")}
     assert sorted(errors) == ["rank0", "rank1"], out[-3000:]
     assert all(step == "step 2" for step, _ in errors.values()), errors
     assert len({message for _, message in errors.values()}) == 1, errors
     message = errors["rank0"][1]
-    assert "rank 0 ran unit" in message and "(branch); rank 1 ran unit" in message and "(norm)" in message, message
+    rank1_did = "ran unit" if then == "unit" else "entered GatheredParameters"
+    assert "rank 0 ran unit" in message and f"(branch); rank 1 {rank1_did}" in message, message
+    assert ("(norm)" in message) == (then == "unit"), message
+
+
+def test_a_forward_that_raises_on_one_rank_ends_with_its_own_error(tmp_path):
+    """A forward that raises on one rank (in the third step, while units are prefetched) ends
+    the job with that error: the end of the forward does not wait for the other ranks to agree
+    on units (they no longer can), which would add a second error that torch silences."""
+    proc, out = _run_diverge_script(tmp_path, "raises")
+    assert proc.returncode != 0 and "no error" not in out, out[-3000:]
+    assert (tmp_path / "rank0.txt").read_text() == "step 2: rank 0 fails in its forward"
+    assert "ValueError: rank 0 fails in its forward" in out, out[-3000:]
+    assert "silenced" not in out, out[-3000:]
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

@@ -13,6 +13,10 @@ never issue:
   rank that agreed up to there issued that prefetch too);
 * at the end of the forward: every announcement (one wait per step instead of one per unit).
 
+``GatheredParameters`` that needs a collective (a gather, or a wait for a prefetch) announces
+itself and settles at once (``meet``), so a rank that took another branch before it gets the
+same error instead of a collective its peers never join.
+
 When ranks disagree, every rank raises the same error naming what each ran. A rank that kept
 to the plan may by then have started prefetches the others never start, so the process
 group is not fit for more collectives after this error (as after any collective error).
@@ -26,6 +30,7 @@ if TYPE_CHECKING:
     from .collectives import Comm, PendingInts
 
 END_OF_FORWARD = -1
+GATHERED_PARAMETERS = -2
 _MOST_IN_FLIGHT = 64
 
 
@@ -47,6 +52,11 @@ class UnitAgreement:
         if len(self._pending) > _MOST_IN_FLIGHT:  # units called outside a model's forward: no end to settle at
             self.settle(self.announced - _MOST_IN_FLIGHT)
 
+    def meet(self, index: int) -> None:
+        """Announce ``index`` and settle every announcement: the ranks agree here, now."""
+        self.announce(index)
+        self.settle()
+
     def settle(self, upto: Optional[int] = None) -> None:
         """Wait for the announcements up to number ``upto`` (all by default) and raise, on
         every rank, if the ranks ran different units at any of them."""
@@ -64,5 +74,14 @@ class UnitAgreement:
                     "the modules that may be skipped inside a unit that always runs "
                     "(raise stage3_param_persistence_threshold), or use stage 2.")
 
+    def abandon(self) -> None:
+        """Drop the announcements in flight without waiting for them: this rank's forward
+        raised, so its peers may never make the matching ones."""
+        self._pending.clear()
+
     def _what(self, index: int) -> str:
-        return "ended its forward" if index == END_OF_FORWARD else f"ran unit {index} ({self.name(index)})"
+        if index == END_OF_FORWARD:
+            return "ended its forward"
+        if index == GATHERED_PARAMETERS:
+            return "entered GatheredParameters"
+        return f"ran unit {index} ({self.name(index)})"

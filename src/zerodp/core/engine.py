@@ -207,7 +207,8 @@ class ZeroEngine(EngineAPI, nn.Module):
             replaced = {old: new for g in self.flat_groups for old, new in g.replaced.items()}
             loaded = {id(replaced[i]): p for i, p in built_in_init.items() if i in replaced}
             self._setup_units(unit_plan, meta, param_init_fn, loaded)
-        register_params(self.flat_groups, self.comm, sharded=self.policy.shard_parameters)
+        register_params(self.flat_groups, self.comm, sharded=self.policy.shard_parameters,
+                        agreement=self.prefetcher.agreement if self.units else None)
         for g in self.trainable:
             g.allocate_gradients(keep_full=self.policy.full_gradient_buffer,
                                  dtype=self.precision.grad_dtype(g.dtype))

@@ -18,6 +18,7 @@ What user code calls (``GatheredParameters``, ``register_external_parameter``) i
 """
 from __future__ import annotations
 
+import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
@@ -130,7 +131,12 @@ class Prefetcher:
         if self._valid and not self.suspended:  # the first units, while the root unit is gathered
             self._prefetch(self.order)
 
-    def end_forward(self) -> None:
+    def end_forward(self, raised: bool = False) -> None:
+        """The forward is over; ``raised``: it ended with an error on this rank, whose
+        announcements are then dropped unsettled (and nothing is recorded)."""
+        if raised:
+            self.agreement.abandon()
+            return
         self.agreement.announce(END_OF_FORWARD)
         self.agreement.settle()
         if self.order is None:
@@ -371,7 +377,10 @@ def install_root_hooks(model: nn.Module, units: list[Unit], prefetcher: Prefetch
             return
         depth -= 1
         if depth == 0:
-            prefetcher.end_forward()
+            # torch calls this hook (always_call) from its handler when the forward raised: the
+            # ranks no longer run the same calls, so the end of the forward cannot be agreed on
+            raised = output is None and sys.exc_info()[0] is not None
+            prefetcher.end_forward(raised=raised)
             if not torch.is_grad_enabled():
                 for unit in units:
                     unit.release()

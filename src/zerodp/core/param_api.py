@@ -12,10 +12,12 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .agree import GATHERED_PARAMETERS
 from .flat import FlatGroup
 from .init_shards import ZeroParamStatus, gathered, init_shard
 
 if TYPE_CHECKING:
+    from .agree import UnitAgreement
     from .collectives import Comm
 
 
@@ -47,12 +49,15 @@ def external_users(model: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]
 _GROUP_OF: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
 
 
-def register_params(groups: Iterable[FlatGroup], comm: "Comm", sharded: bool) -> None:
+def register_params(groups: Iterable[FlatGroup], comm: "Comm", sharded: bool,
+                    agreement: Optional["UnitAgreement"] = None) -> None:
     """Remember which flat group holds each parameter (for ``GatheredParameters``); give
-    sharded ones DeepSpeed's ``ds_*`` attributes (``ds_status`` kept by the group)."""
+    sharded ones DeepSpeed's ``ds_*`` attributes (``ds_status`` kept by the group).
+    ``agreement``: the engine's check that its ranks run the same units (stage 3), which
+    ``GatheredParameters`` joins before a collective."""
     for g in groups:
         for slot, p in zip(g.slots, g.params):
-            _GROUP_OF[p] = (g, comm, sharded)
+            _GROUP_OF[p] = (g, comm, sharded, agreement)
             if sharded:  # DeepSpeed's attributes of a ZeRO-3 parameter (TRL and transformers read them)
                 p.ds_shape, p.ds_numel = slot.shape, slot.numel
                 p.ds_id = getattr(p, "ds_id", id(p))
@@ -96,15 +101,22 @@ def _gathered_in_engines(params: list, modifier_rank: Optional[int]):
         if entry is not None and id(entry[0]) not in seen:
             seen.add(id(entry[0]))
             entries.append(entry)
+    # a gather, or a prefetch still in flight (in a forward): a collective every rank must
+    # reach from the same units, so the ranks first agree on what they ran (``agree.py``)
+    needing = [e for e in entries if e[2] and (not e[0].gathered or e[0].gather_in_flight)]
+    for agreement in {id(e[3]): e[3] for e in needing if e[3] is not None}.values():
+        agreement.meet(GATHERED_PARAMETERS)
     gathered_here = []
-    for g, comm, sharded in entries:
-        if sharded and not g.gathered:
+    for g, comm, _, _ in needing:
+        if g.gathered:
+            g.wait_gathered()
+        else:
             g.gather(comm)
             gathered_here.append(g)
     try:
         yield
     finally:
-        for g, comm, sharded in entries:
+        for g, comm, sharded, _ in entries:
             if modifier_rank is not None:
                 with torch.no_grad():
                     comm.broadcast(g.full, src_rank=modifier_rank)
