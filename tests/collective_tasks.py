@@ -68,3 +68,54 @@ def pooled_operations(group) -> dict:
         held.append(SCRATCH.held_bytes)
     return {"results_ok": ok, "lent_in_flight": lent, "held_after_first": held[0],
             "held_after_second": held[1], "lent_after": SCRATCH.lent_buffers}
+
+
+# the collectives of torch.distributed a training step may call (looked up there at call time)
+_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_to_all_single", "broadcast",
+                "reduce", "reduce_scatter_tensor", "all_gather_object", "gather_object", "barrier",
+                "send", "recv", "isend", "irecv", "batch_isend_irecv")
+
+
+def collectives_per_step(group, stage: int, form: str = "auto") -> dict:
+    """Train the tiny example GPT (a unit per block, clipping on) for three steps and count the
+    ``torch.distributed`` calls of the third, by name, on this rank."""
+    import os
+
+    import zerodp
+    from zerodp.examples.gpt import Block, build_gpt
+    os.environ[GLOO_FORMS_ENV] = form
+    try:
+        torch.manual_seed(0)
+        cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "steps_per_print": 10**9,
+               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+               "zero_optimization": {"stage": stage, "overlap_comm": True, "reduce_bucket_size": 50_000,
+                                     "stage3_prefetch_bucket_size": 50_000, "stage3_max_reuse_distance": 0}}
+        engine, _, _, _ = zerodp.initialize(model=build_gpt("tiny"), config=cfg, process_group=group,
+                                            unit_classes=(Block,))
+    finally:
+        del os.environ[GLOO_FORMS_ENV]
+    rank = dist.get_rank(group)
+    counts: dict[str, int] = {}
+    for step in range(3):
+        x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(10 * step + rank))
+        saved = {}
+        if step == 2:
+            for name in _COLLECTIVES:
+                original = getattr(dist, name, None)
+                if original is None:
+                    continue
+
+                def counted(*args, _original=original, _name=name, **kwargs):
+                    counts[_name] = counts.get(_name, 0) + 1
+                    return _original(*args, **kwargs)
+                saved[name] = original
+                setattr(dist, name, counted)
+        try:
+            _, loss = engine(x, x)
+            engine.backward(loss)
+            engine.step()
+        finally:
+            for name, original in saved.items():
+                setattr(dist, name, original)
+    engine.destroy()
+    return counts

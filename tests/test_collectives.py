@@ -43,3 +43,22 @@ def test_the_all_to_all_reuses_its_buffers(pool, world):
         assert r["lent_after"] == 0
     if world == 2:  # one chunk per reduce-scatter: 3000 + 1000 + 5000 elements, fp32 / bf16 / fp32
         assert r["held_after_first"] == 4 * 3000 + 2 * 1000 + 4 * 5000
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_collectives_per_step_do_not_grow_with_the_world_size(pool, stage):
+    """A training step (clipping on) calls the same collectives, as many times, at world sizes
+    2 and 4: every reduce-scatter and all-gather is one collective whatever the number of
+    owners, and so is the ranks' check that they run the same units (stage 3)."""
+    from collective_tasks import collectives_per_step
+    two, four = pool.run(collectives_per_step, 2, stage), pool.run(collectives_per_step, 4, stage)
+    assert all(r == two[0] for r in two + four), (two, four)
+    assert sum(two[0].values()) > 0
+
+
+def test_the_count_sees_collectives_that_grow_with_the_world_size(pool):
+    """The same count with one broadcast per owner (``per_owner``) grows from 2 to 4 ranks."""
+    from collective_tasks import collectives_per_step
+    two = pool.run(collectives_per_step, 2, 3, "per_owner")[0]
+    four = pool.run(collectives_per_step, 4, 3, "per_owner")[0]
+    assert sum(four.values()) > sum(two.values()), (two, four)
