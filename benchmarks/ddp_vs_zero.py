@@ -5,7 +5,8 @@ trains its own copy of the model, one optimizer step each in turn (the order rot
 step to step, the ranks meeting at a barrier before each), so the machine's load falls on all
 of them alike; a step's time is its slowest rank's. The table reports, per world size and
 system, the median step time over every repetition, and its ratio to DDP's as the median of
-the per-step ratios to the DDP step of the same round, with their quartiles; peak RSS per rank
+its per-step ratios to DDP's step time at that moment (interpolated between the DDP steps just
+before and after it, at most five steps away), with their quartiles; peak RSS per rank
 (max over ranks), model-state bytes per rank, bytes communicated per step, and the loss after
 the run (every system must reach the same loss). Stage 3 runs with each GPT block as a unit,
 released after every use (``stage3_max_reuse_distance`` 0, so it moves the full 3 x Psi less
@@ -114,11 +115,13 @@ def _worker(args: argparse.Namespace) -> None:
     batches = _common.make_batches(gpt, gpt.GPT_PRESETS[args.model].block_size, args.micro_batch,
                                    args.warmup + args.steps, args.seed, rank)
     times = {s: [] for s in systems}
+    at = {s: [] for s in systems}  # each timed step's place in the run's sequence of steps
     waits = {s: [] for s in systems}
     losses = {s: 0.0 for s in systems}
     for i, (x, y) in enumerate(batches):
         x, y = x.to(device), y.to(device)
-        for s in systems[i % len(systems):] + systems[:i % len(systems)]:  # a rotating order
+        order = systems[i % len(systems):] + systems[:i % len(systems)]  # a rotating order
+        for place, s in enumerate(order):
             dist.barrier()
             wait0 = built[s]["gather_wait_s"]()
             accelerator.synchronize(device)
@@ -127,6 +130,7 @@ def _worker(args: argparse.Namespace) -> None:
             accelerator.synchronize(device)
             if i >= args.warmup:
                 times[s].append(time.perf_counter() - t0)
+                at[s].append(i * len(systems) + place)
                 waits[s].append(built[s]["gather_wait_s"]() - wait0)
             losses[s] = loss.item()
     out = {}
@@ -139,7 +143,7 @@ def _worker(args: argparse.Namespace) -> None:
                 "comm_mib": built[s]["comm_bytes"]() / 2**20,
                 "gather_wait_s": statistics.median(waits[s]) if waits[s] else 0.0}
         rows = all_gather_numbers(mine, device=device)
-        out[s] = {"step_s": slowest.tolist(), "final_loss": final.item() / world,
+        out[s] = {"step_s": slowest.tolist(), "at": at[s], "final_loss": final.item() / world,
                   "rss_mib": max(r["rss_mib"] for r in rows),
                   "model_state_mib": max(r["model_state_mib"] for r in rows),
                   "comm_mib": max(r["comm_mib"] for r in rows),
@@ -171,6 +175,22 @@ def _quartiles(values: list[float]) -> tuple[float, float, float]:
     return q1, q2, q3
 
 
+def _ratios_to_ddp(run: dict, system: str) -> list[float]:
+    """Each step of ``system`` over DDP's step time at its place in the run: interpolated
+    between the DDP steps before and after it (the nearest one at the ends)."""
+    ddp = sorted(zip(run["ddp"]["at"], run["ddp"]["step_s"]))
+    out = []
+    for place, t in zip(run[system]["at"], run[system]["step_s"]):
+        before = [d for d in ddp if d[0] <= place]
+        after = [d for d in ddp if d[0] >= place]
+        if before and after and after[0][0] > before[-1][0]:
+            (p0, t0), (p1, t1) = before[-1], after[0]
+            out.append(t / (t0 + (t1 - t0) * (place - p0) / (p1 - p0)))
+        else:
+            out.append(t / (before[-1] if before else after[0])[1])
+    return out
+
+
 def _table(results: dict, worlds: list[int], systems: list[str], memory: dict) -> str:
     hidden: list[str] = []
     lines = ["| world | system | step time (ms, median) | vs DDP (median of paired steps) | quartiles | "
@@ -181,7 +201,7 @@ def _table(results: dict, worlds: list[int], systems: list[str], memory: dict) -
         runs = results[world]
         for system in systems:
             steps = [t for run in runs for t in run[system]["step_s"]]
-            ratios = [t / d for run in runs for t, d in zip(run[system]["step_s"], run["ddp"]["step_s"])]
+            ratios = [r for run in runs for r in _ratios_to_ddp(run, system)]
             q1, q2, q3 = _quartiles(ratios)
             mem = memory[(world, system)][system]
             wait = statistics.median(run[system]["gather_wait_s"] for run in runs)
@@ -231,7 +251,7 @@ def main() -> None:
             results[world].append(run)
             ddp = run["ddp"]["step_s"]
             print(f"rep {rep + 1}/{args.reps} world {world}: " + ", ".join(
-                f"{s} {statistics.median(t / d for t, d in zip(run[s]['step_s'], ddp)):.3f}" for s in systems[1:])
+                f"{s} {statistics.median(_ratios_to_ddp(run, s)):.3f}" for s in systems[1:])
                 + f" (median step time over DDP's; DDP {statistics.median(ddp) * 1e3:.0f} ms)", flush=True)
     table = _table(results, args.worlds, systems, memory)
     print(f"\nmodel={args.model} micro_batch={args.micro_batch} steps={args.steps} reps={args.reps} "
