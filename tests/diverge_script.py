@@ -1,6 +1,6 @@
 """A 2-rank stage-3 job whose ranks stop running the same modules once prefetching is under way:
 
-    torchrun --nproc-per-node 2 diverge_script.py DIR [gathered | raises]
+    torchrun --nproc-per-node 2 diverge_script.py DIR [unit | gathered | raises]
 
 Two steps agree, so the order of units is recorded and prefetched from; in the third, rank 0
 runs a branch that rank 1 skips (with ``gathered``, the forward then reads a later unit's weight

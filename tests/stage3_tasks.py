@@ -265,7 +265,7 @@ def peek_task(group, steps: int = 4) -> dict:
     model = nn.Sequential(Peek(width, layers[-1]), *layers)
     engine, _, _, _ = zerodp.initialize(model=model, config=_stage3_config(8 * width * width),
                                         process_group=group)
-    seen, outside = [], []
+    outside = []
     for step in range(steps):
         x = torch.randn(4, width, generator=torch.Generator().manual_seed(step))
         loss = engine(x).pow(2).mean()

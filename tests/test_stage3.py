@@ -198,7 +198,7 @@ def test_ranks_diverging_while_prefetching_fail_and_the_job_ends(tmp_path, then)
     (torchrun, ``diverge_script.py``) although the rank that kept to the plan has collectives
     in flight that its peer never joins. Where the other rank's next step is a
     ``GatheredParameters`` in the forward, the error names that instead of a unit."""
-    proc, out = _run_diverge_script(tmp_path, *(["gathered"] if then == "gathered" else []))
+    proc, out = _run_diverge_script(tmp_path, then)
     assert proc.returncode != 0 and "no error" not in out, out[-3000:]
     errors = {f.stem: f.read_text().split(": ", 1) for f in tmp_path.glob("rank*.txt")}
     assert sorted(errors) == ["rank0", "rank1"], out[-3000:]

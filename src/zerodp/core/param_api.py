@@ -106,13 +106,9 @@ def _gathered_in_engines(params: list, modifier_rank: Optional[int]):
     needing = [e for e in entries if e[2] and (not e[0].gathered or e[0].gather_in_flight)]
     for agreement in {id(e[3]): e[3] for e in needing if e[3] is not None}.values():
         agreement.meet(GATHERED_PARAMETERS)
-    gathered_here = []
+    gathered_here = [g for g, _, _, _ in needing if not g.gathered]
     for g, comm, _, _ in needing:
-        if g.gathered:
-            g.wait_gathered()
-        else:
-            g.gather(comm)
-            gathered_here.append(g)
+        g.gather(comm)  # or, for a prefetch in flight, wait for it
     try:
         yield
     finally:
