@@ -23,7 +23,9 @@ per device instead of two: a 4-rank run's reference for ``-tp2``), ``-nodrop`` (
 at stage 3 transformers builds it inside ``deepspeed.zero.Init`` and loads the weights through
 ``GatheredParameters``; with ``-miss`` from a checkpoint that lacks two weights, which
 transformers initializes), e.g. ``z3-bf16-off``; ``-ckpt`` runs the checkpoint scenario instead
-(``run_checkpoint_case``), ``-lora`` a PEFT LoRA model (``run_lora_case``).
+(``run_checkpoint_case``), ``-lora`` a PEFT LoRA model (``run_lora_case``; with ``-pre`` made by
+``get_peft_model`` on the loaded model, which at stage 3 is built in ``zero.Init``, as fine-tuning tools
+do; with ``-mts`` also PEFT's ``modules_to_save=["ln_f"]``, a trained copy of a base module).
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 VOCAB, SEQ = 100, 16
 BUILT_IN_INIT: dict[str, bool] = {}  # per -pre case: every parameter a zero.Init slice after loading
+ADAPTERS: dict[str, dict] = {}  # per -lora case: where peft put the adapters, and lora_B's largest value
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -70,7 +73,7 @@ def ds_config(stage: int, offload: bool) -> dict:
 def parse(case: str) -> dict:
     head, *flags = case.split("-")
     unknown = set(flags) - {"bf16", "fp16", "ovf", "off", "gas2", "pre", "miss", "ckpt", "lora", "tp2", "half",
-                            "nodrop", "sp", "lp", "mics2", "gc"}
+                            "nodrop", "sp", "lp", "mics2", "gc", "mts"}
     if unknown or not (head == "plain" or head in ("z0", "z1", "z2", "z3")):
         raise SystemExit(f"bad case {case!r}")
     ds = None if head == "plain" else ds_config(int(head[1]), "off" in flags)
@@ -83,7 +86,17 @@ def parse(case: str) -> dict:
     return {"ds": ds, "fp16": "fp16" in flags, "batch": 1 if "half" in flags else 2, "gc": "gc" in flags,
             "dropout": not ({"tp2", "nodrop"} & set(flags)),
             "bf16": "bf16" in flags, "gas": 2 if "gas2" in flags else 1, "pre": "pre" in flags,
-            "ckpt": "ckpt" in flags, "lora": "lora" in flags, "miss": "miss" in flags}
+            "ckpt": "ckpt" in flags, "lora": "lora" in flags, "miss": "miss" in flags, "mts": "mts" in flags}
+
+
+def adapters_of(model) -> dict:
+    """Where peft put the new adapter weights (before ``initialize``), and whether ``lora_B`` is zero
+    there, as peft initializes it (read whole at stage 3)."""
+    import deepspeed  # zerodp under ZERODP_AS_DEEPSPEED=1
+    lora = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    with deepspeed.zero.GatheredParameters([p for p in lora.values() if hasattr(p, "ds_shape")]):
+        b_max = max(p.abs().max().item() for n, p in lora.items() if "lora_B" in n)
+    return {"devices": sorted({str(p.device) for p in lora.values()}), "lora_B_max": b_max}
 
 
 def reset() -> None:
@@ -106,10 +119,6 @@ def make_trainer(case: str, out_dir: str, model: GPT2LMHeadModel | None = None) 
         spec["ds"]["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True  # so saves write weights
     if model is None and not spec["pre"]:
         model = build_model(spec["dropout"])
-    if spec["lora"]:
-        from peft import LoraConfig, get_peft_model
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj", "c_fc"],
-                                                 lora_dropout=0.0))
     args = TrainingArguments(
         output_dir=os.path.join(out_dir, case), per_device_train_batch_size=spec["batch"],
         per_device_eval_batch_size=spec["batch"],
@@ -122,7 +131,15 @@ def make_trainer(case: str, out_dir: str, model: GPT2LMHeadModel | None = None) 
         torch.distributed.barrier()  # (the group the arguments started) rank 0 has saved the weights
         torch.manual_seed(1)  # what initializes the weights a checkpoint lacks (-miss)
         model = GPT2LMHeadModel.from_pretrained(os.path.join(out_dir, "partial" if spec["miss"] else "pretrained"))
-        BUILT_IN_INIT[case] = all(p.is_meta and hasattr(p, "ds_shape") for p in model.parameters())
+        # as DeepSpeed's zero.Init leaves them: empty data on the real device, the shape in ds_shape
+        BUILT_IN_INIT[case] = all(p.numel() == 0 and p.device == model.device == torch.device("cpu")
+                                  and hasattr(p, "ds_shape") for p in model.parameters())
+    if spec["lora"]:  # after from_pretrained (-pre): peft puts each adapter on its base layer's device
+        from peft import LoraConfig, get_peft_model
+        torch.manual_seed(2)  # the adapters' initial values, the same whatever loading drew before
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj", "c_fc"],
+                                                 lora_dropout=0.0, modules_to_save=["ln_f"] if spec["mts"] else None))
+        ADAPTERS[case] = adapters_of(model)
     return Trainer(model=model, args=args, train_dataset=Tokens(48), eval_dataset=Tokens(8, offset=1000))
 
 
@@ -166,7 +183,9 @@ def run_lora_case(case: str, out_dir: str) -> dict:
     here = os.path.join(out_dir, case)
     trainer = make_trainer(case, out_dir)
     trainer.train()
-    result = {"loss": losses(trainer), "eval_after": trainer.evaluate()["eval_loss"]}
+    result = {"loss": losses(trainer), "eval_after": trainer.evaluate()["eval_loss"],
+              "grad_norm": [float(h["grad_norm"]) for h in trainer.state.log_history if "grad_norm" in h],
+              "adapters": ADAPTERS.get(case), "built_in_init": BUILT_IN_INIT.get(case)}
     from torch.distributed.tensor import DTensor
     result["adapter_split"] = any(isinstance(p, DTensor) and p.placements[0].is_shard()
                                   for n, p in trainer.model.named_parameters() if "lora_" in n)

@@ -146,16 +146,23 @@ class Block(nn.Module):
         self.register_buffer("mask", torch.ones(4))
 
 
+def _is_slice(p) -> bool:
+    """A parameter as DeepSpeed's ``zero.Init`` leaves it: empty data on the real device, the shape
+    in ``ds_shape``."""
+    return p.device.type == "cpu" and p.shape == (0,) and p.numel() == 0 and hasattr(p, "ds_shape")
+
+
 def test_zero_init_builds_without_storage():
     with zerodp.zero.Init(config_dict_or_path={"zero_optimization": {"stage": 3}}, remote_device="cpu"):
         m = nn.Sequential(Block(), Block())
-    assert all(p.is_meta for p in m.parameters())
+    assert all(_is_slice(p) for p in m.parameters())
+    assert [tuple(p.ds_shape) for p in m.parameters()] == [(4, 4), (4,)] * 2
     assert all(not b.is_meta and b.sum().item() == 4 for b in m.buffers())  # buffers keep values
     with zerodp.zero.Init(enabled=False):
         real = Block()
-    assert not any(p.is_meta for p in real.parameters())
+    assert not any(_is_slice(p) or p.is_meta for p in real.parameters())
     # outside the context, construction is normal again
-    assert not any(p.is_meta for p in Block().parameters())
+    assert not any(_is_slice(p) or p.is_meta for p in Block().parameters())
     # a value put in place of a parameter without data (one built on the meta device) is kept
     with zerodp.zero.Init():
         with torch.device("meta"):
@@ -172,7 +179,7 @@ def test_zero_init_keeps_values_readable_and_writable_whole():
     torch.manual_seed(0)
     with zerodp.zero.Init():
         b = Block()
-    assert b.fc.weight.is_meta and b.fc.weight.ds_shape == (4, 4) and b.fc.weight.ds_numel == 16
+    assert _is_slice(b.fc.weight) and b.fc.weight.ds_shape == (4, 4) and b.fc.weight.ds_numel == 16
     with zerodp.zero.GatheredParameters([b.fc.weight, None, b.fc.bias]):
         assert torch.equal(b.fc.weight, want.fc.weight) and torch.equal(b.fc.bias, want.fc.bias)
         with torch.no_grad():
@@ -182,7 +189,7 @@ def test_zero_init_keeps_values_readable_and_writable_whole():
     with zerodp.zero.GatheredParameters(b.fc.weight, modifier_rank=0):
         with torch.no_grad():
             b.fc.weight.fill_(3.0)
-    assert b.fc.weight.is_meta
+    assert _is_slice(b.fc.weight)
     with zerodp.zero.GatheredParameters(b.fc.weight):
         assert b.fc.weight.sum().item() == 48
     # meta=True: parameters keep no values at all (no slice), buffers stay real
@@ -192,7 +199,10 @@ def test_zero_init_keeps_values_readable_and_writable_whole():
     assert bare.fc.weight.is_meta and init_shard(bare.fc.weight) is None and bare.mask.sum().item() == 4
     with zerodp.zero.Init():
         kept = Block()
-    assert kept.fc.weight.is_meta and init_shard(kept.fc.weight).data.numel() == 16
+    assert _is_slice(kept.fc.weight) and init_shard(kept.fc.weight).data.numel() == 16
+    with pytest.raises(ValueError, match=r"on the meta device hold no values \(shapes \(4, 4\)\)"):
+        with zerodp.zero.GatheredParameters(bare.fc.weight, modifier_rank=0):
+            pass
     assert zerodp.zero.GatheredParameters is zerodp.GatheredParameters
     assert callable(zerodp.zero.register_external_parameter)
 

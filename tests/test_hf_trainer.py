@@ -22,10 +22,13 @@ BF16 = ["z0-bf16", "z1-bf16", "z2-bf16", "z3-bf16", "z1-bf16-off", "z2-bf16-off"
 PRETRAINED = ["z2-pre", "z3-pre", "z3-off-pre"]
 CHECKPOINTS = ["z2-ckpt", "z3-ckpt", "z3-off-ckpt"]
 LORA = ["plain-lora", "z3-lora"]
+PRE_LORA_REFERENCE = "plain-pre-lora"
+PRE_LORA = ["z2-pre-lora", "z3-pre-lora", "z3-off-pre-lora"]
+PRE_LORA_MTS = ["plain-pre-lora-mts", "z3-pre-lora-mts"]
 FP16 = ["plain-fp16", "z2-fp16", "z3-fp16", "z3-fp16-ovf"]
 MISSING = ["plain-pre-miss", "z2-pre-miss", "z3-pre-miss"]
 CASES = ["plain", *FP32, "plain-gas2", *GAS, "plain-bf16", *BF16, *PRETRAINED, "z3-bf16-pre", *CHECKPOINTS, *LORA,
-         *FP16, *MISSING]
+         *FP16, *MISSING, PRE_LORA_REFERENCE, *PRE_LORA, *PRE_LORA_MTS]
 
 
 # 4 ranks: tensor parallelism over pairs, and the reference with one sample per device (the same 4 samples a step)
@@ -121,6 +124,28 @@ def test_peft_lora_through_the_trainer_at_stage_3(results):
     assert close([got["eval_after"]], [want["eval_after"]], 1e-5)
     assert close([got["saved_eval"]], [got["eval_after"]], 1e-5)
     assert "adapter_model.safetensors" in got["adapter_files"] and "adapter_config.json" in got["adapter_files"]
+
+
+@pytest.mark.parametrize("case", PRE_LORA + PRE_LORA_MTS[1:])
+def test_peft_lora_after_from_pretrained_under_zero3(results, case):
+    """``from_pretrained`` (at stage 3 inside ``zero.Init``), then ``get_peft_model``: peft puts each
+    new adapter on its base layer's weight's device. A stage-3 parameter there is on the real device
+    (empty data, ``ds_shape``, as DeepSpeed's), so the adapters keep the values peft gave them
+    (``lora_B`` zero) and every step equals the plain Trainer's from the first loss on, gradient norms
+    included. Before, the base reported ``meta``, the adapters were moved there and lost their values,
+    and ``initialize`` gave them others: the first loss and norm differed. With ``modules_to_save``,
+    peft copies a base module inside ``GatheredParameters`` (it sees ``numel() == 0`` and ``ds_numel``)
+    and the copy trains as without DeepSpeed."""
+    got = results[case]
+    want = results[PRE_LORA_MTS[0] if case.endswith("-mts") else PRE_LORA_REFERENCE]
+    assert got["adapters"] == {"devices": ["cpu"], "lora_B_max": 0.0}, got["adapters"]
+    assert want["adapters"] == got["adapters"]
+    assert got["built_in_init"] == case.startswith("z3")
+    assert close(got["loss"], want["loss"], 1e-5) and close(got["grad_norm"], want["grad_norm"], 1e-5)
+    assert close([got["eval_after"]], [want["eval_after"]], 1e-5)
+    assert close([got["saved_eval"]], [got["eval_after"]], 1e-5)
+    if case.endswith("-mts"):
+        assert not close(got["loss"], results[PRE_LORA_REFERENCE]["loss"], 1e-6)
 
 
 def test_fp16_through_the_trainer_and_a_skipped_step(results):

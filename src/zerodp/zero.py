@@ -1,14 +1,19 @@
 """DeepSpeed's ``deepspeed.zero`` names: ``Init``, ``GatheredParameters``, ``register_external_parameter``.
 
 ``Init`` builds a model so that no rank ever holds all of it: every parameter a module registers
-inside the context is replaced by one on the meta device that keeps only this rank's slice of
-its values (rank 0's values, broadcast as it is made; ``core/init_shards.py``), while buffers
+inside the context is replaced by one that keeps only this rank's slice of its values (rank 0's
+values, broadcast as it is made; ``core/init_shards.py``) and looks like DeepSpeed's partitioned
+parameter: empty data on the real device, its shape in ``ds_shape``; buffers
 keep their real values (causal masks, rotary frequencies). Read or write such parameters whole
 with ``GatheredParameters(params, modifier_rank=r)``: inside they hold their full values; on
 exit rank r's become everyone's. ``transformers`` loads checkpoints that way under DeepSpeed's
 ZeRO-3 (``from_pretrained`` after ``TrainingArguments(deepspeed=<stage 3>)``), and it keeps the
 loaded weights. ``zerodp.initialize`` at stage 3 then gives each unit its values from the slices
 and keeps this rank's shard of it, one unit at a time.
+
+A parameter created after the context with values of its own (a LoRA adapter placed on its base
+layer's device, a new head) keeps them: ``initialize`` shards it in place, rank 0's values. One
+on the meta device in such a model has lost its values, and ``initialize`` says so, naming it.
 
 A parameter created inside the context on the meta device (a model built with
 ``torch.device("meta")``) stays without values: ``initialize`` gives them, one unit at a time,
@@ -56,8 +61,9 @@ class Init:
     ``meta=True`` (zerodp's): keep no values at all, only parameters on the meta device, for a
     model whose values come later: from ``initialize`` (each unit initialized in turn, so no
     rank ever holds the whole model, not even its slices) or from weight files
-    (``zerodp.inference.stream``). Buffers stay real either way. Parameters created inside are
-    on the meta device, each keeping this rank's slice of its values, until ``zerodp.initialize``
+    (``zerodp.inference.stream``). Buffers stay real either way. Parameters created inside have
+    empty data on the real device (``ds_shape`` is their shape), each keeping this rank's slice of
+    its values, until ``zerodp.initialize``
     shards them by units (``data_parallel_group``: the group whose ranks share the slices, the
     world by default; give ``initialize`` the same one). Buffers are real. ``module=`` (an
     existing model) needs nothing: ``initialize`` shards it at stage 3."""

@@ -17,6 +17,7 @@ from ..optim.build import optimizer_from_config
 from .collectives import Comm
 from .flat import FlatGroup, local_tensor
 from .gather import external_users
+from .init_shards import full_shape
 
 
 def as_tensor_list(params) -> list:
@@ -90,7 +91,7 @@ def build_flat_groups(module: nn.Module, groups: list[dict], unit_of: dict[int, 
     for pos, (name, p) in enumerate(order):
         key = (group_of.get(id(p), -1), p.dtype, p.requires_grad and id(p) in group_of,
                unit_of.get(id(p), 0), id(p) in tp_of, separate.get(id(p)))
-        numel = local_tensor(p).numel()
+        numel = full_shape(local_tensor(p)).numel()
         bucket = open_buckets.setdefault(key, [])
         if bucket and open_sizes[key] + numel > cap:
             closed.append((pos - 1, key, bucket))

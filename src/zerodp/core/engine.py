@@ -71,7 +71,7 @@ from .gather import (
     plan_units,
     register_params,
 )
-from .init_shards import init_shard
+from .init_shards import has_no_values, init_shard, prepare_for_sharding
 from .norm import global_norm_and_usage
 from .plain_loop import PlainLoop
 from .precision import LossScaler, PrecisionPolicy
@@ -156,7 +156,9 @@ class ZeroEngine(EngineAPI, nn.Module):
         self.loss_scaler: Optional[LossScaler] = (LossScaler.from_config(config.fp16)
                                                   if config.fp16.enabled else None)
         self._skipped_steps = 0
-        meta = any(p.is_meta for p in model.parameters())
+        # parameters built in zero.Init keep slices of their values; at stages 0-2 they get them back
+        prepare_for_sharding(model, self.comm, self.policy.shard_parameters)
+        meta = any(has_no_values(p) for p in model.parameters())
         if meta and not self.policy.shard_parameters:
             raise ValueError("the model has parameters on the meta device; stages 0-2 keep full "
                              "parameters on every rank, so materialize the model first, or use "

@@ -40,7 +40,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from .init_shards import ZeroParamStatus
+from .init_shards import ZeroParamStatus, full_shape, has_no_values
 
 ALIGN_BYTES = 16
 
@@ -149,9 +149,9 @@ class FlatGroup:
         self.slots: list[Slot] = []
         offset = 0
         for name, p in named_params:
-            local = local_tensor(p)
-            self.slots.append(Slot(name, offset, local.numel(), local.shape, tp_of.get(id(p))))
-            offset += local.numel()
+            shape = full_shape(local_tensor(p))  # a zero.Init slice's data is empty: its shape is ds_shape
+            self.slots.append(Slot(name, offset, shape.numel(), shape, tp_of.get(id(p))))
+            offset += shape.numel()
         self.numel = offset
         align = max(1, ALIGN_BYTES // torch.empty((), dtype=self.dtype).element_size())
         self.shard_numel = _round_up(-(-self.numel // partitions), align)
@@ -164,7 +164,7 @@ class FlatGroup:
         self.shard_being_copied = False  # an asynchronous checkpoint copy reads the shard: keep it
         self._pending = None  # a stage-3 all-gather in flight (prefetch)
         self.replaced: dict[int, nn.Parameter] = {}
-        if any(local_tensor(p).is_meta for p in self.params):
+        if any(has_no_values(local_tensor(p)) for p in self.params):
             if self.tp_split or any(isinstance(p, DTensor) for p in self.params):
                 raise ValueError("a tensor-parallel model cannot be on the meta device: build it with values "
                                  "(zero.Init or a meta-device model is for data parallelism alone)")
@@ -187,11 +187,11 @@ class FlatGroup:
         self.piece_params: list[nn.Parameter] = []
 
     def _adopt_meta_params(self) -> None:
-        """Parameters built on the meta device hold no data: replace them by parameters that
-        are views of a full buffer which is never filled here (its storage is freed at once,
-        so no rank holds the whole model); ``self.replaced`` maps old ids to the new
-        parameters, and the values come from ``initialize_from`` (stage 3 only)."""
-        if not all(p.is_meta for p in self.params):
+        """Parameters built on the meta device or kept as ``zero.Init`` slices hold no data: replace
+        them by parameters that are views of a full buffer which is never filled here (its storage
+        is freed at once, so no rank holds the whole model); ``self.replaced`` maps old ids to the
+        new parameters, and the values come from ``gather.initialize_meta_units`` (stage 3 only)."""
+        if not all(has_no_values(p) for p in self.params):
             raise ValueError(f"flat group {self.index} mixes parameters on the meta device with "
                              "materialized ones; build the model all on the meta device or not at all")
         self.full = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)  # untouched

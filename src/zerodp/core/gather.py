@@ -27,7 +27,7 @@ from torch import nn
 
 from .agree import END_OF_FORWARD, UnitAgreement
 from .flat import FlatGroup
-from .init_shards import adopted, full_values, init_shard
+from .init_shards import adopted, full_shape, full_values, init_shard
 from .param_api import GatheredParameters, external_users, register_external_parameter, register_params  # noqa: F401
 
 if TYPE_CHECKING:
@@ -286,7 +286,7 @@ def plan_units(model: nn.Module, min_unit_params: int, unit_classes: tuple[type,
             continue
         mine = [p for p in mod.parameters() if id(p) not in owner and id(p) not in shared]
         wanted = is_leaf(mod) or (isinstance(mod, unit_classes) if unit_classes else
-                                  sum(p.numel() for p in mine) >= min_unit_params)
+                                  sum(full_shape(p).numel() for p in mine) >= min_unit_params)
         if mine and wanted:
             units.append((name, mod))
             for p in mine:

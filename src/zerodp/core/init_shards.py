@@ -2,7 +2,8 @@
 
 When a module built inside the context has finished its constructor (so its parameters hold
 the values its ``reset_parameters`` gave them), each real parameter it registered is replaced
-by one on the meta device (its shape, no storage) that carries an :class:`InitShard`: the
+by one that looks like DeepSpeed's partitioned parameter: empty data (``torch.Size([0])``) on the
+real device, its shape in ``ds_shape``, and an :class:`InitShard`: the
 flattened values, padded to a multiple of the group size, cut into one contiguous slice per
 rank; this rank keeps its slice (:class:`ShardedConstruction`, which wraps the ``__init__`` of
 every ``nn.Module`` class while active, as DeepSpeed's ``Init`` does). The values are rank 0's
@@ -20,8 +21,16 @@ weights the checkpoint lacks.
 ``zerodp.initialize`` (stage 3) then gives each unit its values from the slices
 (:func:`full_values`, one unit at a time), keeps this rank's shard of the unit's flat groups,
 and drops the slices. A parameter built inside ``Init`` never holds values of its own outside
-those moments, so code that reads ``param.shape`` works, and code that reads values needs
-``GatheredParameters``.
+those moments. Code that follows ``param.device`` or ``model.device`` gets the real device (so
+``peft`` puts a new adapter where its base layer's weight lives, with the values it gave it),
+code that reads the shape reads ``ds_shape`` as it does under DeepSpeed, and code that reads
+values needs ``GatheredParameters``.
+
+What ``initialize`` makes of a model at stage 3 (:func:`prepare_for_sharding`): a parameter
+created after ``Init`` (an adapter, a new head) keeps the values its creator gave it (rank 0's,
+sharded in place as ``Init`` would have); a parameter on the meta device with no values behind
+it, in a model whose other parameters have values, is an error naming it, never initialized
+afresh without a word.
 """
 from __future__ import annotations
 
@@ -75,27 +84,59 @@ def _slice_of(flat: torch.Tensor, comm: Comm) -> torch.Tensor:
     return out
 
 
-def shard_parameter(param: nn.Parameter, comm: Comm, dtype: Optional[torch.dtype] = None) -> nn.Parameter:
-    """A meta parameter shaped like ``param`` that keeps this rank's slice of its values
-    (rank 0's values: broadcast from rank 0 of ``comm``'s group first), in ``dtype`` if given and
-    the parameter is floating point, with DeepSpeed's ``ds_*`` attributes."""
-    requires_grad = param.requires_grad
+def _sliced(param: torch.Tensor, comm: Comm, dtype: Optional[torch.dtype]) -> tuple[InitShard, torch.Tensor]:
+    """This rank's slice of ``param``'s values (rank 0's: broadcast from rank 0 of ``comm``'s
+    group first), in ``dtype`` if given and the parameter is floating point; and the empty
+    tensor that stands for the parameter's data from then on (on the real device)."""
     full = param.detach()
     if dtype is not None and full.is_floating_point():
         full = full.to(dtype)
     full = full.to(default_device()).contiguous()
     comm.broadcast(full, src_rank=0)
     shard = InitShard(_slice_of(full.reshape(-1), comm), param.shape, comm)
-    new = nn.Parameter(torch.empty_like(full, device="meta"), requires_grad=requires_grad)
-    setattr(new, _ATTR, shard)
-    new.ds_id = next(_ids)
-    new.ds_shape = param.shape
-    new.ds_numel = param.numel()
-    new.ds_status = ZeroParamStatus.NOT_AVAILABLE
-    new.ds_tensor = shard.data
-    new.ds_persist = False
-    new.ds_active_sub_modules = set()
+    return shard, torch.empty(0, dtype=full.dtype, device=full.device)
+
+
+def _describe(param: nn.Parameter, shard: InitShard) -> None:
+    """Give ``param`` its slice and DeepSpeed's attributes of a partitioned parameter."""
+    setattr(param, _ATTR, shard)
+    param.ds_id = next(_ids)
+    param.ds_shape = shard.shape
+    param.ds_numel = shard.numel
+    param.ds_status = ZeroParamStatus.NOT_AVAILABLE
+    param.ds_tensor = shard.data
+    param.ds_persist = False
+    param.ds_active_sub_modules = set()
+
+
+def shard_parameter(param: nn.Parameter, comm: Comm, dtype: Optional[torch.dtype] = None) -> nn.Parameter:
+    """A parameter standing for ``param`` that keeps this rank's slice of its values (rank 0's),
+    in ``dtype`` if given and the parameter is floating point: empty data on the real device, with
+    DeepSpeed's ``ds_*`` attributes (``ds_shape`` is the shape)."""
+    shard, empty = _sliced(param, comm, dtype)
+    new = nn.Parameter(empty, requires_grad=param.requires_grad)
+    _describe(new, shard)
     return new
+
+
+def shard_in_place(param: nn.Parameter, comm: Comm) -> None:
+    """Make ``param`` itself keep only this rank's slice of its values (rank 0's), as if it had
+    been built in ``Init``: the same object, so optimizers and param groups that hold it still do."""
+    shard, empty = _sliced(param, comm, None)
+    param.data = empty
+    _describe(param, shard)
+
+
+def full_shape(param: torch.Tensor) -> torch.Size:
+    """The shape of ``param``'s values: ``ds_shape`` for a parameter kept as a slice (whose data is
+    empty), else its own shape."""
+    shard = init_shard(param)
+    return shard.shape if shard is not None else param.shape
+
+
+def has_no_values(param: torch.Tensor) -> bool:
+    """Whether ``param`` holds no values of its own here: on the meta device, or kept as a slice."""
+    return param.is_meta or init_shard(param) is not None
 
 
 def init_shard(param: torch.Tensor) -> Optional[InitShard]:
@@ -123,6 +164,54 @@ def adopted(param: torch.Tensor) -> None:
     """An engine has taken ``param``'s values: it keeps no slice of its own any more."""
     param.__dict__.pop(_ATTR, None)
     param.__dict__.pop("ds_tensor", None)
+
+
+_DS_ATTRS = ("ds_id", "ds_shape", "ds_numel", "ds_status", "ds_tensor", "ds_persist", "ds_active_sub_modules")
+
+
+def materialize(param: nn.Parameter) -> None:
+    """Give a parameter kept as a slice its full values again, in place (stages 0-2 keep whole
+    parameters); it is then an ordinary parameter."""
+    param.data = full_values(init_shard(param)).clone()
+    adopted(param)
+    for name in _DS_ATTRS:
+        param.__dict__.pop(name, None)
+
+
+def prepare_for_sharding(model: nn.Module, comm: Comm, shard_parameters: bool) -> None:
+    """Before an engine takes ``model``: make its parameters agree on where their values are.
+
+    Stages 0-2 (``shard_parameters`` false) keep whole parameters, so those built in ``Init`` get
+    their full values back. At stage 3, in a model with parameters built in ``Init``, a parameter
+    created afterwards with values of its own (a LoRA adapter, a new head, resized embeddings) is
+    kept as a slice of those values in place, rank 0's as ``Init`` would have kept them; and a
+    parameter on the meta device with nothing behind it is an error naming it: its values were
+    lost before ``initialize`` (a library that moves new parameters to the device of old ones,
+    when those were on the meta device), and initializing it afresh would train from another
+    model without a word. A model built wholly on the meta device is left as it is: ``initialize``
+    initializes it unit by unit, as documented."""
+    named = list(model.named_parameters())
+    built = [p for _, p in named if init_shard(p) is not None]
+    if not built:
+        return
+    if not shard_parameters:
+        for p in built:
+            materialize(p)
+        return
+    lost = [n for n, p in named if p.is_meta and init_shard(p) is None]
+    if lost:
+        more = f" and {len(lost) - 5} more" if len(lost) > 5 else ""
+        raise ValueError(
+            f"parameters on the meta device with no values: {', '.join(lost[:5])}{more}. The rest of the "
+            "model was built in zero.Init and holds its values; these hold none, so their values were lost "
+            "before initialize (e.g. moved to the meta device by code that followed another parameter's "
+            "device) and would have to be invented. Create them with real values (after zero.Init is fine: "
+            "they are then kept as their creator made them) or inside zero.Init")
+    seen: set[int] = set()
+    for _, p in named:
+        if id(p) not in seen and not p.is_meta and init_shard(p) is None:
+            seen.add(id(p))
+            shard_in_place(p, comm)
 
 
 _active: Optional["ShardedConstruction"] = None
@@ -183,12 +272,12 @@ class ShardedConstruction:
 
     def shard_own(self, module: nn.Module) -> None:
         for name, p in list(module._parameters.items()):
-            if p is not None and not p.is_meta and init_shard(p) is None:
+            if p is not None and not has_no_values(p):
                 module._parameters[name] = self._replace(p)
 
     def _on_register(self, module: nn.Module, name: str, param: Optional[nn.Parameter]):
-        if param is None or param.is_meta or module.__dict__.get(_DEPTH, 0) > 0:
-            return None  # meta, or sharded when the module's constructor returns
+        if param is None or has_no_values(param) or module.__dict__.get(_DEPTH, 0) > 0:
+            return None  # meta or already a slice (a tied weight), or sharded when the constructor returns
         old = module._parameters.get(name)
         if old is not None and old.is_meta and init_shard(old) is None:
             return None  # a value put in place of a parameter built on the meta device: kept as is
@@ -231,15 +320,15 @@ def gathered(params: list[nn.Parameter], modifier_rank: Optional[int]) -> Iterat
             shard = init_shard(p)
             whole = nn.Parameter(full_values(shard).clone(), requires_grad=p.requires_grad)
             whole.__dict__.update(p.__dict__)
-            torch.utils.swap_tensors(p, whole)  # p now holds the values; ``whole`` the meta tensor
+            torch.utils.swap_tensors(p, whole)  # p now holds the values; ``whole`` the empty data
             p.ds_status = ZeroParamStatus.AVAILABLE
             swapped.append((p, whole, shard))
         yield
     finally:
-        for p, meta, shard in swapped:
+        for p, empty, shard in swapped:
             if modifier_rank is not None:
                 with torch.no_grad():
                     set_values(shard, p.detach(), modifier_rank)
-            meta.__dict__.update(p.__dict__)
-            torch.utils.swap_tensors(p, meta)
+            empty.__dict__.update(p.__dict__)
+            torch.utils.swap_tensors(p, empty)
             p.ds_status = ZeroParamStatus.NOT_AVAILABLE

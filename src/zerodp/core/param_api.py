@@ -85,6 +85,11 @@ def GatheredParameters(params: Any, modifier_rank: Optional[int] = None, fwd_mod
     if isinstance(params, torch.Tensor):
         params = [params]
     params = [p for p in params if p is not None]
+    lost = [p for p in params if p.is_meta and init_shard(p) is None]
+    if lost:  # nothing to gather, and an edit inside would vanish without a word
+        shapes = ", ".join(str(tuple(p.shape)) for p in lost[:5])
+        raise ValueError(f"GatheredParameters: {len(lost)} parameter(s) on the meta device hold no values "
+                         f"(shapes {shapes}); build them with values, or inside zero.Init, before gathering them")
     if fwd_module is not None:  # DeepSpeed's meaning: fwd_module's forward uses these parameters
         for p in params:
             register_external_parameter(fwd_module, p)

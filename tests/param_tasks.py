@@ -1,0 +1,88 @@
+"""Worker tasks for ``test_stage3_params.py``: parameters built in ``zero.Init`` meeting code that
+was written against DeepSpeed's (new modules placed by their neighbours' device, parameters added
+after ``Init``, values lost on the way)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import zerodp
+
+LR, STEPS = 0.1, 3
+
+
+def _base(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+
+
+def _adapter(seed: int) -> nn.Module:
+    """A module made after ``Init`` with values its creator chose (seeded by rank in the workers:
+    rank 0's must win, as when ``Init`` shards a parameter)."""
+    torch.manual_seed(seed)
+    return nn.Linear(8, 4)
+
+
+def _batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(2, 8, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(model(x), torch.ones(x.shape[0], 4))
+
+
+def reference(world: int) -> dict:
+    """One process, plain SGD on the whole global batch, from rank 0's adapter."""
+    model = nn.Sequential(*_base(), _adapter(1000))
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(STEPS):
+        opt.zero_grad()
+        sum(_loss(model, _batch(step, r)) for r in range(world)).div(world).backward()
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def added_after_init(group, stage: int) -> dict:
+    """Build the base in ``zero.Init``, then add a layer the way peft places an adapter: made with
+    values, then moved to the device (and dtype) of a base weight. Train it through the engine."""
+    rank = dist.get_rank(group)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
+           "optimizer": {"type": "SGD", "params": {"lr": LR}},
+           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 1}}
+    with zerodp.zero.Init(data_parallel_group=group):
+        base = _base()
+    w = base[0].weight
+    seen = {"device": str(w.device), "shape": tuple(w.shape), "ds_shape": tuple(w.ds_shape)}
+    adapter = _adapter(1000 + rank).to(w.device, dtype=w.dtype)
+    seen["adapter_device"] = str(adapter.weight.device)
+    model = nn.Sequential(*base, adapter)
+    engine, _, _, _ = zerodp.initialize(model=model, config=cfg, process_group=group)
+    for step in range(STEPS):
+        engine.backward(_loss(engine, _batch(step, rank)))
+        engine.step()
+    with zerodp.GatheredParameters(list(engine.module.parameters())):
+        seen["params"] = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    engine.destroy()
+    return seen
+
+
+def lost_values(group, where: str) -> str:
+    """A parameter with no values behind it, in a model whose others have values: ``initialize`` (or
+    ``GatheredParameters``) must say which, not invent values."""
+    with zerodp.zero.Init(data_parallel_group=group):
+        base = _base()
+    adapter = _adapter(0).to("meta")  # what peft did when the base reported the meta device
+    model = nn.Sequential(*base, adapter)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": LR}},
+           "zero_optimization": {"stage": 3}}
+    try:
+        if where == "initialize":
+            zerodp.initialize(model=model, config=cfg, process_group=group)
+        else:
+            with zerodp.GatheredParameters(list(model.parameters()), modifier_rank=0):
+                pass
+    except ValueError as e:
+        return str(e)
+    return "no error"

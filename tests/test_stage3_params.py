@@ -1,0 +1,36 @@
+"""Parameters built in ``zero.Init`` look like DeepSpeed's to the code around them: on the real
+device with empty data and ``ds_shape``; a parameter added after ``Init`` keeps the values its
+creator gave it (rank 0's); one whose values were lost is named, never filled in."""
+from __future__ import annotations
+
+import param_tasks as pt
+import pytest
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_layer_added_after_init_keeps_its_values_and_trains_exactly(pool, stage):
+    """The base built in ``zero.Init``; a layer made afterwards with rank-dependent values and moved
+    to ``base.weight.device`` (peft's placement of a new adapter). The engine trains the whole model
+    as one process does from the base and rank 0's layer (to 1e-6); at stage 2 the base gets its
+    full values back. Before, the base reported ``meta``: the layer was moved there, lost its
+    values, and ``initialize`` gave it new ones."""
+    world = 2
+    out = pool.run(pt.added_after_init, world, stage)
+    want = pt.reference(world)
+    for rank, r in enumerate(out):
+        assert r["device"] == "cpu" and r["adapter_device"] == "cpu"
+        assert r["shape"] == (0,) and r["ds_shape"] == (16, 8)  # DeepSpeed's partitioned parameter
+        assert set(r["params"]) == set(want)
+        for name, value in want.items():
+            err = (r["params"][name] - value).abs().max().item()
+            assert err <= 1e-6, f"rank {rank} {name}: {err:.3g}"
+
+
+@pytest.mark.parametrize("where", ["initialize", "gather"])
+def test_a_parameter_whose_values_were_lost_is_named(pool, where):
+    errors = pool.run(pt.lost_values, 2, where)
+    for e in errors:
+        if where == "initialize":
+            assert "parameters on the meta device with no values: 3.weight, 3.bias" in e, e
+        else:
+            assert "parameter(s) on the meta device hold no values (shapes (4, 8), (4,))" in e, e
