@@ -26,6 +26,12 @@ def build_lora(seed: int = 0):
     return get_peft_model(base, cfg)
 
 
+def _numel(p) -> int:
+    """A parameter's size, also at stage 3 outside a gather (empty data, ``ds_numel``), as the
+    Trainer counts it."""
+    return getattr(p, "ds_numel", p.numel())
+
+
 def loss_of(model, step: int, rank: int, micro: int):
     ids = hf_tasks.batch(step, rank, micro)
     return model(input_ids=ids, labels=ids).loss
@@ -76,6 +82,6 @@ def lora_train(group, stage: int, save_dir: str | None = None, precision: str = 
         dist.barrier(group)
     out = {"params": params, "memory": memory, "compared": compared,
            "frozen_grads": [n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None],
-           "n_trainable": sum(p.numel() for p in trainable), "n_all": sum(p.numel() for p in model.parameters())}
+           "n_trainable": sum(_numel(p) for p in trainable), "n_all": sum(_numel(p) for p in model.parameters())}
     engine.destroy()
     return out

@@ -30,7 +30,8 @@ def _batch(step: int, rank: int) -> torch.Tensor:
 
 
 def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return F.mse_loss(model(x), torch.ones(x.shape[0], 4))
+    out = model(x)
+    return F.mse_loss(out, torch.ones_like(out))
 
 
 def reference(world: int) -> dict:
@@ -86,3 +87,33 @@ def lost_values(group, where: str) -> str:
     except ValueError as e:
         return str(e)
     return "no error"
+
+
+def outside_a_gather(group) -> dict:
+    """What code outside the engine sees of a stage-3 parameter after ``initialize``, outside and
+    inside ``GatheredParameters``, before and after a training step."""
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
+           "optimizer": {"type": "SGD", "params": {"lr": LR}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1}}
+    engine, _, _, _ = zerodp.initialize(model=_base(), config=cfg, process_group=group)
+    w = engine.module[0].weight
+    from zerodp.runtime.zero.partition_parameters import ZeroParamStatus
+
+    def looks() -> dict:
+        return {"shape": tuple(w.shape), "numel": w.numel(), "device": str(w.device), "dtype": str(w.dtype),
+                "ds_shape": tuple(w.ds_shape), "ds_numel": w.ds_numel,
+                "available": w.ds_status == ZeroParamStatus.AVAILABLE}
+    seen = {"at_rest": looks()}
+    try:
+        w.sum()  # a read outside a gather: an empty tensor's sum, never freed memory
+        seen["read"] = "ok"
+    except RuntimeError as e:
+        seen["read"] = str(e)
+    seen["state_dict_shapes"] = sorted({tuple(t.shape) for t in engine.module.state_dict().values()})
+    with zerodp.GatheredParameters([w]):
+        seen["gathered"] = looks()
+    engine.backward(_loss(engine, _batch(0, dist.get_rank(group))))
+    engine.step()
+    seen["after_step"] = looks()
+    engine.destroy()
+    return seen

@@ -34,3 +34,18 @@ def test_a_parameter_whose_values_were_lost_is_named(pool, where):
             assert "parameters on the meta device with no values: 3.weight, 3.bias" in e, e
         else:
             assert "parameter(s) on the meta device hold no values (shapes (4, 8), (4,))" in e, e
+
+
+def test_outside_a_gather_a_parameter_looks_like_deepspeeds(pool):
+    """After ``initialize`` too, a stage-3 parameter outside a gather is what DeepSpeed leaves:
+    empty data on the real device, ``ds_shape``/``ds_numel``, ``ds_status`` not available; its
+    full shape inside ``GatheredParameters``. Reading it outside gives an empty result rather than
+    touching freed memory (before, its data was a view of a freed buffer: ``sum()`` crashed the
+    process)."""
+    for r in pool.run(pt.outside_a_gather, 2):
+        rest = {"shape": (0,), "numel": 0, "device": "cpu", "dtype": "torch.float32", "ds_shape": (16, 8),
+                "ds_numel": 128, "available": False}
+        assert r["at_rest"] == rest and r["after_step"] == rest
+        assert r["gathered"] == dict(rest, shape=(16, 8), numel=128, available=True)
+        assert r["read"] == "ok"
+        assert r["state_dict_shapes"] == [(0,)]

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import re
 import time
 import weakref
 from collections import defaultdict
@@ -92,16 +93,21 @@ def _grad_hook(engine: "ZeroEngine", t: int, i: int) -> Callable[[nn.Parameter],
     return hook
 
 
+_EMPTY_OPERAND = re.compile(r"(size|shape|dimension|storage|allocated).*(?<![\d.])0(?![\d.])", re.I | re.S)
+
+
 @contextlib.contextmanager
 def _explain_released_parameters(stage3: bool):
-    """Turn torch's error for a parameter whose storage is released into one naming the cause."""
+    """Name the likely cause of torch's error for a parameter used outside its gather: its data is
+    then empty (``flat.FlatGroup.release``), so an operation on it fails on a size of 0."""
     try:
         yield
     except RuntimeError as e:
         text = str(e)
-        if stage3 and ("data is not allocated" in text or "for storage of size 0" in text):
+        if stage3 and _EMPTY_OPERAND.search(text):
             raise RuntimeError(
-                "stage 3: a parameter was used while its unit was not gathered. A module read a "
+                f"{text}\n\nstage 3: if an operand above is empty (size 0), a parameter was used while "
+                "its unit was not gathered (its data is then empty, as under DeepSpeed). A module read a "
                 "parameter of another unit outside that unit's forward (e.g. a parent using "
                 "child.weight directly). Declare the use with "
                 "zerodp.register_external_parameter(reading_module, parameter), make the reading "

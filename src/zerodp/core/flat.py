@@ -199,8 +199,8 @@ class FlatGroup:
                             requires_grad=p.requires_grad) for p in self.params]
         self.replaced = {id(old): p for old, p in zip(self.params, new)}
         self.params = new
-        self.bind_params_to_full()  # .data views keep the parameters' own version counters
         self.full.untyped_storage().resize_(0)
+        self._bind_params_released()
         # written whole by keep_own_shard; left untouched until then (no memory is committed)
         self._own_shard = torch.empty(self.shard_numel, dtype=self.dtype, device=self.device)
 
@@ -208,6 +208,7 @@ class FlatGroup:
         """Allocate the full buffer with zeros for initialization (no communication)."""
         self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
         self.full.zero_()
+        self.bind_params_to_full()
 
     def keep_own_shard(self) -> None:
         """After initializing a materialized buffer: keep this rank's shard, free the rest."""
@@ -287,11 +288,25 @@ class FlatGroup:
         return self._pending is not None and not self._pending.done
 
     def release(self) -> None:
-        """Free the full buffer's storage (stage 3, after use)."""
+        """Free the full buffer's storage (stage 3, after use); the parameters are left as
+        DeepSpeed leaves a partitioned one (``_bind_params_released``)."""
         self.wait_gathered()
         self._take_back_own_shard()
         self.full.untyped_storage().resize_(0)
+        self._bind_params_released()
         self._mark(ZeroParamStatus.NOT_AVAILABLE)
+
+    def _bind_params_released(self) -> None:
+        """Outside a gather a parameter's data is empty (``torch.Size([0])``) on the real device, as
+        under DeepSpeed: code written for DeepSpeed reads ``ds_shape`` and tells a partitioned
+        parameter by ``numel() == 0`` (peft), and a read of one fails with a shape error instead of
+        touching freed memory. Views of ``full`` that autograd saved in a forward keep its storage,
+        which the next gather fills again. A ``DTensor`` (tensor parallelism) keeps its view: its
+        shape is its own metadata, not its local tensor's."""
+        empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        for p in self.params:
+            if not isinstance(p, DTensor):
+                p.data = empty
 
     def _take_back_own_shard(self) -> None:
         """Give the own shard its storage again, with its values from ``full`` (after a
@@ -311,6 +326,7 @@ class FlatGroup:
                 self.wait_gathered()
             return
         self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
+        self.bind_params_to_full()
         page = self.shard_page
         if page is not None and not page.resident:  # on disk: read, copy, drop
             page.page_in()

@@ -125,7 +125,7 @@ def _compare_buffers(engine: "ZeroEngine", measured: dict, grad_elem: int,
     the padding of every group as slack (buckets and gathered buffers are full-size)."""
     stage, n = engine.zero_stage, engine.comm.world_size
     trained, groups = engine.trainable, engine.flat_groups
-    largest = max((t.numel() for t in engine.base_module.parameters()), default=0)
+    largest = max((s.numel for g in groups for s in g.slots), default=0)  # stage 3: parameters are empty
     units = [sum(g.numel for g in u.groups) for u in getattr(engine, "units", [])]
     info = ModelInfo("engine", "module", sum(g.numel for g in groups), sum(g.numel for g in trained),
                      largest, units[0] if units else 0, max(units[1:], default=0))
