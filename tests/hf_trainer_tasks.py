@@ -25,7 +25,10 @@ at stage 3 transformers builds it inside ``deepspeed.zero.Init`` and loads the w
 transformers initializes), e.g. ``z3-bf16-off``; ``-ckpt`` runs the checkpoint scenario instead
 (``run_checkpoint_case``), ``-lora`` a PEFT LoRA model (``run_lora_case``; with ``-pre`` made by
 ``get_peft_model`` on the loaded model, which at stage 3 is built in ``zero.Init``, as fine-tuning tools
-do; with ``-mts`` also PEFT's ``modules_to_save=["ln_f"]``, a trained copy of a base module).
+do; with ``-mts`` also PEFT's ``modules_to_save=["ln_f"]``, a trained copy of a base module);
+``-qwen3moe`` and ``-mixtral`` train transformers' tiny Qwen3-MoE or Mixtral (router aux loss on) instead
+of GPT-2, at stage 3 with every module a unit, so the sparse MoE block must be a leaf (DeepSpeed's default
+leaf classes); ``-resize`` (with ``-pre``) calls ``resize_token_embeddings`` on the loaded model.
 """
 from __future__ import annotations
 
@@ -73,7 +76,7 @@ def ds_config(stage: int, offload: bool) -> dict:
 def parse(case: str) -> dict:
     head, *flags = case.split("-")
     unknown = set(flags) - {"bf16", "fp16", "ovf", "off", "gas2", "pre", "miss", "ckpt", "lora", "tp2", "half",
-                            "nodrop", "sp", "lp", "mics2", "gc", "mts"}
+                            "nodrop", "sp", "lp", "mics2", "gc", "mts", "qwen3moe", "mixtral", "resize"}
     if unknown or not (head == "plain" or head in ("z0", "z1", "z2", "z3")):
         raise SystemExit(f"bad case {case!r}")
     ds = None if head == "plain" else ds_config(int(head[1]), "off" in flags)
@@ -81,12 +84,16 @@ def parse(case: str) -> dict:
         ds["fp16"] = {"enabled": "auto", "initial_scale_power": 18 if "ovf" in flags else 4, "hysteresis": 1}
     if ds is not None and "tp2" in flags:
         ds["tensor_parallel"] = {"autotp_size": 2, "sequence_parallel": "sp" in flags, "loss_parallel": "lp" in flags}
+    kind = "qwen3moe" if "qwen3moe" in flags else "mixtral" if "mixtral" in flags else "gpt2"
+    if ds is not None and kind != "gpt2":  # every module with parameters a unit: the MoE block must be a leaf
+        ds["zero_optimization"]["stage3_param_persistence_threshold"] = 1
     if ds is not None and "mics2" in flags:
         ds["zero_optimization"]["mics_shard_size"] = 2
     return {"ds": ds, "fp16": "fp16" in flags, "batch": 1 if "half" in flags else 2, "gc": "gc" in flags,
             "dropout": not ({"tp2", "nodrop"} & set(flags)),
             "bf16": "bf16" in flags, "gas": 2 if "gas2" in flags else 1, "pre": "pre" in flags,
-            "ckpt": "ckpt" in flags, "lora": "lora" in flags, "miss": "miss" in flags, "mts": "mts" in flags}
+            "ckpt": "ckpt" in flags, "lora": "lora" in flags, "miss": "miss" in flags, "mts": "mts" in flags,
+            "kind": kind, "resize": "resize" in flags}
 
 
 def adapters_of(model) -> dict:
@@ -107,8 +114,20 @@ def reset() -> None:
     gc.collect()
 
 
-def build_model(dropout: bool = True) -> GPT2LMHeadModel:
+def build_model(dropout: bool = True, kind: str = "gpt2") -> torch.nn.Module:
     torch.manual_seed(0)
+    if kind == "qwen3moe":  # transformers' own MoE models: fused 3-D experts, a router aux loss
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+        return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2,
+            max_position_embeddings=64, output_router_logits=True, router_aux_loss_coef=0.01))
+    if kind == "mixtral":
+        from transformers import MixtralConfig, MixtralForCausalLM
+        return MixtralForCausalLM(MixtralConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+            max_position_embeddings=64, output_router_logits=True, router_aux_loss_coef=0.01))
     off = {} if dropout else {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
     return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2, **off))
 
@@ -118,7 +137,7 @@ def make_trainer(case: str, out_dir: str, model: GPT2LMHeadModel | None = None) 
     if (spec["ckpt"] or spec["lora"]) and spec["ds"]:  # what the fine-tuning tools' ZeRO-3 configs say,
         spec["ds"]["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True  # so saves write weights
     if model is None and not spec["pre"]:
-        model = build_model(spec["dropout"])
+        model = build_model(spec["dropout"], spec["kind"])
     args = TrainingArguments(
         output_dir=os.path.join(out_dir, case), per_device_train_batch_size=spec["batch"],
         per_device_eval_batch_size=spec["batch"],
@@ -134,6 +153,9 @@ def make_trainer(case: str, out_dir: str, model: GPT2LMHeadModel | None = None) 
         # as DeepSpeed's zero.Init leaves them: empty data on the real device, the shape in ds_shape
         BUILT_IN_INIT[case] = all(p.numel() == 0 and p.device == model.device == torch.device("cpu")
                                   and hasattr(p, "ds_shape") for p in model.parameters())
+        if spec["resize"]:  # transformers makes the new embedding on the old one's device, copies the rows in
+            torch.manual_seed(3)  # (at stage 3 inside GatheredParameters) and draws the new rows
+            model.resize_token_embeddings(VOCAB + 8)
     if spec["lora"]:  # after from_pretrained (-pre): peft puts each adapter on its base layer's device
         from peft import LoraConfig, get_peft_model
         torch.manual_seed(2)  # the adapters' initial values, the same whatever loading drew before
@@ -222,6 +244,7 @@ def run_case(case: str, out_dir: str) -> dict:
     result["split"] = any(isinstance(p, DTensor) for p in trainer.model.parameters())
     if case in BUILT_IN_INIT:
         result["built_in_init"] = BUILT_IN_INIT[case]
+    result["leaves"] = sorted({type(m).__name__ for m in trainer.model.modules() if getattr(m, "_z3_leaf", False)})
     reset()
     return result
 

@@ -101,22 +101,29 @@ def test_trl_sft_script_with_autotp_equals_stage_0(no_deepspeed_python, tmp_path
     assert any(not torch.equal(tp[k], start[k]) for k in tp)  # it trained
 
 
-def test_accelerate_launch_with_a_deepspeed_config(no_deepspeed_python, tmp_path):
+@pytest.mark.parametrize("kind", ["gpt2", "qwen3moe"])
+def test_accelerate_launch_with_a_deepspeed_config(no_deepspeed_python, tmp_path, kind):
     """``accelerate launch --use_deepspeed --deepspeed_config_file ...`` (Accelerate's launcher reads
     ``deepspeed.launcher.runner``) runs a Trainer script on zerodp at stage 3, with the losses of
-    the same script under plain torchrun (DDP)."""
+    the same script under plain torchrun (DDP). With transformers' Qwen3-MoE, Accelerate's
+    ``--deepspeed_moe_layer_cls_names`` makes the decoder layers leaves (through
+    ``deepspeed.utils.set_z3_leaf_modules``), beside the sparse MoE blocks DeepSpeed's defaults make
+    leaves, with every module with parameters a unit otherwise."""
+    moe = kind != "gpt2"
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({
         "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
-        "gradient_clipping": "auto", "zero_optimization": {"stage": 3},
+        "gradient_clipping": "auto",
+        "zero_optimization": {"stage": 3, **({"stage3_param_persistence_threshold": 1} if moe else {})},
         "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
                                                   "weight_decay": "auto"}}}))
-    env = dict(os.environ, ZERODP_AS_DEEPSPEED="1", OMP_NUM_THREADS="1",
+    env = dict(os.environ, ZERODP_AS_DEEPSPEED="1", OMP_NUM_THREADS="1", TEST_MODEL_KIND=kind,
                PYTHONPATH=os.pathsep.join(p for p in (SRC, str(HERE), os.environ.get("PYTHONPATH")) if p))
     script = str(HERE / "accelerate_script.py")
+    moe_layers = ["--deepspeed_moe_layer_cls_names", "Qwen3MoeDecoderLayer"] if moe else []
     runs = {"accelerate": [no_deepspeed_python, "-m", "accelerate.commands.launch", "--use_deepspeed",
-                           "--deepspeed_config_file", str(config), "--num_processes", "2", "--num_machines", "1",
-                           script, str(tmp_path / "accelerate.json")],
+                           "--deepspeed_config_file", str(config), *moe_layers, "--num_processes", "2",
+                           "--num_machines", "1", script, str(tmp_path / "accelerate.json")],
             "plain": [no_deepspeed_python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                       script, str(tmp_path / "plain.json")]}
     found = {}
@@ -127,3 +134,4 @@ def test_accelerate_launch_with_a_deepspeed_config(no_deepspeed_python, tmp_path
     assert found["accelerate"]["engine"] == "zerodp.core.engine" and "DEEPSPEED" in found["accelerate"]["distributed"]
     got, want = found["accelerate"]["loss"], found["plain"]["loss"]
     assert len(got) == 3 and all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got, want)), (got, want)
+    assert found["accelerate"]["leaves"] == (["Qwen3MoeDecoderLayer", "Qwen3MoeSparseMoeBlock"] if moe else [])

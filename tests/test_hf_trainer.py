@@ -25,10 +25,12 @@ LORA = ["plain-lora", "z3-lora"]
 PRE_LORA_REFERENCE = "plain-pre-lora"
 PRE_LORA = ["z2-pre-lora", "z3-pre-lora", "z3-off-pre-lora"]
 PRE_LORA_MTS = ["plain-pre-lora-mts", "z3-pre-lora-mts"]
+RESIZE = ["plain-pre-resize", "z2-pre-resize", "z3-pre-resize"]
+MOE = ["plain-qwen3moe", "z2-qwen3moe", "z3-qwen3moe", "plain-mixtral", "z2-mixtral", "z3-mixtral"]
 FP16 = ["plain-fp16", "z2-fp16", "z3-fp16", "z3-fp16-ovf"]
 MISSING = ["plain-pre-miss", "z2-pre-miss", "z3-pre-miss"]
 CASES = ["plain", *FP32, "plain-gas2", *GAS, "plain-bf16", *BF16, *PRETRAINED, "z3-bf16-pre", *CHECKPOINTS, *LORA,
-         *FP16, *MISSING, PRE_LORA_REFERENCE, *PRE_LORA, *PRE_LORA_MTS]
+         *FP16, *MISSING, PRE_LORA_REFERENCE, *PRE_LORA, *PRE_LORA_MTS, *MOE, *RESIZE]
 
 
 # 4 ranks: tensor parallelism over pairs, and the reference with one sample per device (the same 4 samples a step)
@@ -146,6 +148,27 @@ def test_peft_lora_after_from_pretrained_under_zero3(results, case):
     assert close([got["saved_eval"]], [got["eval_after"]], 1e-5)
     if case.endswith("-mts"):
         assert not close(got["loss"], results[PRE_LORA_REFERENCE]["loss"], 1e-6)
+
+
+@pytest.mark.parametrize("case", RESIZE[1:])
+def test_resize_token_embeddings_after_from_pretrained(results, case):
+    """``resize_token_embeddings`` on a model loaded under a stage-3 config: transformers makes the new
+    (tied) embedding on the old weight's device, a real one, and copies the old rows in; the new
+    parameter keeps its values through ``initialize`` (rank 0's), so every step equals the plain
+    Trainer's with the same resized model."""
+    same_run(results[case], results[RESIZE[0]], rel=1e-5)
+    assert not close(results[RESIZE[0]]["loss"], results["plain"]["loss"], 1e-6)  # the resize changed the model
+
+
+@pytest.mark.parametrize("case", [c for c in MOE if not c.startswith("plain")])
+def test_transformers_moe_models_through_the_trainer(results, case):
+    """transformers' own Qwen3-MoE and Mixtral (fused 3-D experts, router aux loss) at stages 2 and 3
+    equal the plain Trainer at every step. At stage 3, with every module a unit, the sparse MoE block
+    is a leaf without being asked (DeepSpeed's default ``leaf_module.classes``)."""
+    kind = case.split("-")[1]
+    same_run(results[case], results[f"plain-{kind}"], rel=1e-5)
+    block = {"qwen3moe": "Qwen3MoeSparseMoeBlock", "mixtral": "MixtralSparseMoeBlock"}[kind]
+    assert results[case]["leaves"] == ([block] if case.startswith("z3") else [])
 
 
 def test_fp16_through_the_trainer_and_a_skipped_step(results):

@@ -155,7 +155,7 @@ def test_ranks_running_different_units_fail_clearly(pool, world):
     from stage3_tasks import divergent_task
     errors = pool.run(divergent_task, world, timeout=60)
     for err in errors:
-        assert "rank 0 ran unit" in err and "(branch)" in err, err
+        assert "rank 0 ran unit" in err and "(branch, a Linear)" in err, err
         assert "rank 1 ran unit" in err, err
     assert len(set(errors)) == 1
 
@@ -206,8 +206,8 @@ def test_ranks_diverging_while_prefetching_fail_and_the_job_ends(tmp_path, then)
     assert len({message for _, message in errors.values()}) == 1, errors
     message = errors["rank0"][1]
     rank1_did = "ran unit" if then == "unit" else "entered GatheredParameters"
-    assert "rank 0 ran unit" in message and f"(branch); rank 1 {rank1_did}" in message, message
-    assert ("(norm)" in message) == (then == "unit"), message
+    assert "rank 0 ran unit" in message and f"(branch, a Linear); rank 1 {rank1_did}" in message, message
+    assert ("(norm, a LayerNorm)" in message) == (then == "unit"), message
 
 
 def test_a_forward_that_raises_on_one_rank_ends_with_its_own_error(tmp_path):

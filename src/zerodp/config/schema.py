@@ -141,6 +141,37 @@ class AioConfig(_Section):
         False, description="Must be false.")
 
 
+#: The classes DeepSpeed (>= 0.18) makes stage-3 leaves by default: transformers' sparse MoE blocks.
+DEFAULT_LEAF_CLASSES = (
+    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+)
+
+
+def _as_list(value: Any) -> Any:
+    return [value] if isinstance(value, str) else value
+
+
+_Names = Annotated[list[str], BeforeValidator(_as_list), AfterValidator(lambda v: list(dict.fromkeys(v)))]
+
+
+class LeafModuleConfig(_Section):
+    """The ``zero_optimization.leaf_module`` block (DeepSpeed >= 0.18): stage-3 leaf modules, each
+    gathered and reduced whole as one unit (mixture-of-experts blocks, whose ranks run different
+    experts). See docs/training.md."""
+
+    classes: _Names = Field(
+        default_factory=lambda: list(DEFAULT_LEAF_CLASSES),
+        description="Stage 3: modules of these classes (class names, plain or fully qualified) are leaves. The "
+                    "default names the sparse MoE blocks of transformers' Mixtral, Qwen2-MoE and Qwen3-MoE, as "
+                    "DeepSpeed's does; a class no module has is skipped.")
+    names: _Names = Field(default_factory=list, description="Stage 3: the modules with these names (as "
+                                                            "named_modules() gives them) are leaves.")
+    name_suffixes: _Names = Field(default_factory=list, description="Stage 3: every module whose name ends with "
+                                                                    "one of these is a leaf.")
+
+
 class ZeroConfig(_Section):
     """The ``zero_optimization`` block."""
 
@@ -176,6 +207,12 @@ class ZeroConfig(_Section):
                              "after) when its parameters not claimed by a unit below it number at least this many "
                              "elements; smaller modules' parameters go with the enclosing unit, and the root unit "
                              "stays gathered from forward to the end of backward.")
+    leaf_module: LeafModuleConfig = Field(
+        default_factory=LeafModuleConfig, description="Stage 3: leaf modules (classes, names, name_suffixes).")
+    stage3_module_granularity_threshold: _NonNegative = Field(
+        0, description="Stage 3: every module with at most this many parameters per layer (its parameters over "
+                       "the modules with parameters inside it, itself included; containers and modules without "
+                       "children never) becomes a leaf, parents first, as in DeepSpeed. 0: off.")
     stage3_max_live_parameters: _NonNegative = Field(
         1_000_000_000, description="Stage 3: prefetching stops where it would bring the gathered parameter elements on "
                                    "a rank above this (units being computed are always gathered; 0: no prefetching).")

@@ -37,8 +37,9 @@ _MOST_IN_FLIGHT = 64
 class UnitAgreement:
     """The announcements of one engine's units; ``name(index)`` names a unit in errors."""
 
-    def __init__(self, comm: "Comm", name: Callable[[int], str]) -> None:
-        self.comm, self.name = comm, name
+    def __init__(self, comm: "Comm", name: Callable[[int], str],
+                 hint: Callable[[list[int]], str] = lambda seen: "") -> None:
+        self.comm, self.name, self.hint = comm, name, hint  # hint: a remedy for ranks that ran these
         self.announced = 0  # announcements made so far (their sequence numbers are 1, 2, ...)
         self.meetings = 0   # settles that waited for the newest announcement: the ranks met at this call
         self._pending: deque[tuple[int, "PendingInts"]] = deque()
@@ -70,8 +71,9 @@ class UnitAgreement:
                 raise RuntimeError(
                     "stage 3 needs every rank to run the same modules in the same order, but "
                     + "; ".join(f"rank {r} {self._what(i)}" for r, i in enumerate(seen))
-                    + ". Make the branch the same on every rank (e.g. run both and mask), or put "
-                    "the modules that may be skipped inside a unit that always runs "
+                    + "." + self.hint(seen)
+                    + " Make the branch the same on every rank (e.g. run both and mask), or put the modules "
+                    "that may be skipped inside a unit that always runs "
                     "(raise stage3_param_persistence_threshold), or use stage 2.")
 
     def abandon(self) -> None:

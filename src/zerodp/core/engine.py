@@ -73,6 +73,7 @@ from .gather import (
     register_params,
 )
 from .init_shards import has_no_values, init_shard, prepare_for_sharding
+from .leaves import apply_leaf_config, mark_leaf_parameters
 from .norm import global_norm_and_usage
 from .plain_loop import PlainLoop
 from .precision import LossScaler, PrecisionPolicy
@@ -191,6 +192,9 @@ class ZeroEngine(EngineAPI, nn.Module):
         built_in_init = {id(p): p for p in self.base_module.parameters() if init_shard(p) is not None}
         groups = user_param_groups(self.base_module, model_parameters, optimizer,
                                    replaced_parameters(self.base_module))
+        if self.policy.shard_parameters:  # the config's leaf modules, each one unit (core/leaves.py)
+            apply_leaf_config(self.base_module, self.zero_config.leaf_module,
+                              self.zero_config.stage3_module_granularity_threshold)
         unit_plan, self._unit_of = ([("", self.base_module)], {}) if not self.policy.shard_parameters \
             else plan_units(self.base_module, self.zero_config.stage3_param_persistence_threshold,
                             tuple(unit_classes))
@@ -284,6 +288,7 @@ class ZeroEngine(EngineAPI, nn.Module):
                 g.shard_parameters()
         self.units = [Unit(u, name, mod, [g for g in self.flat_groups if g.unit == u], self.comm)
                       for u, (name, mod) in enumerate(unit_plan)]
+        mark_leaf_parameters(self.base_module)
         zc = self.zero_config
         self.prefetcher = Prefetcher(self.units, zc.stage3_prefetch_bucket_size,
                                      zc.stage3_max_live_parameters, zc.stage3_max_reuse_distance)

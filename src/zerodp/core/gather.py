@@ -28,6 +28,7 @@ from torch import nn
 from .agree import END_OF_FORWARD, UnitAgreement
 from .flat import FlatGroup
 from .init_shards import adopted, full_shape, full_values, init_shard
+from .leaves import LEAF_ATTR, enclosing_leaf_candidate, is_leaf  # noqa: F401
 from .param_api import GatheredParameters, external_users, register_external_parameter, register_params  # noqa: F401
 
 if TYPE_CHECKING:
@@ -109,8 +110,25 @@ class Prefetcher:
         self.peak_gathered_bytes = 0
         self.gather_wait_s = 0.0  # time spent waiting for units to arrive (exposed gathers)
         self.suspended = False  # every unit is held gathered (``ZeroEngine.parameters_held``): nothing to do
-        self.agreement = UnitAgreement(units[0].comm, lambda i: self.units[i].name or "root") if units else None
+        self.agreement = UnitAgreement(units[0].comm, self._label, self._leaf_hint) if units else None
         self._prefetched_at: dict[int, int] = {}  # unit index -> announcements made when its prefetch began
+
+    def _label(self, index: int) -> str:
+        """A unit in the agreement's errors: its module's name and class."""
+        unit = self.units[index]
+        return f"{unit.name or 'root'}, a {type(unit.module).__name__}"
+
+    def _leaf_hint(self, seen: list[int]) -> str:
+        """For ranks that ran different units: the module around them that would be a leaf."""
+        names = [self.units[i].name for i in set(seen) if i >= 0]
+        found = enclosing_leaf_candidate(self.units[0].module, names)
+        if found is None:
+            return ""
+        name, cls = found
+        return (f" If {name} (a {cls}) chooses which of its modules run, as a mixture-of-experts block routes "
+                f"tokens to experts, make it a leaf, gathered and reduced whole on every rank: "
+                f"zerodp.utils.set_z3_leaf_modules(model, [{cls}]) before initialize, or "
+                f'"leaf_module": {{"classes": ["{cls}"]}} in zero_optimization.')
 
     @property
     def recorded(self) -> bool:
@@ -298,15 +316,6 @@ def plan_units(model: nn.Module, min_unit_params: int, unit_classes: tuple[type,
     order = sorted(range(len(units)), key=lambda u: position[id(units[u][1])])
     renumber = {old: new for new, old in enumerate(order)}
     return [units[u] for u in order], {pid: renumber[u] for pid, u in owner.items()}
-
-
-#: DeepSpeed's attribute for a module that ZeRO-3 treats as a leaf (``set_z3_leaf_modules``).
-LEAF_ATTR = "_z3_leaf"
-
-
-def is_leaf(module: nn.Module) -> bool:
-    """Whether ``module`` is marked a stage-3 leaf: one unit, its whole subtree, no unit inside."""
-    return bool(getattr(module, LEAF_ATTR, False))
 
 
 def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
