@@ -1,10 +1,11 @@
 """TRL's trainers with a DeepSpeed config train on zerodp (``ZERODP_AS_DEEPSPEED=1``) exactly as
 without DeepSpeed: ``SFTTrainer`` and ``DPOTrainer`` (its reference model in an engine without
-optimizer) at stages 2 and 3, and ``GRPOTrainer`` at stage 3, which generates with the model it
-trains through TRL's ``unwrap_model_for_generation`` (``GatheredParameters`` over the engine's
-parameters, ``optimizer.parameter_offload``'s hooks, ``ds_status``, ``ds_active_sub_modules``,
-``ds_external_parameters``). One 2-rank torchrun job runs every case (``trl_tasks.py``) in the
-environment without DeepSpeed."""
+optimizer) at stages 2 and 3, ``SFTTrainer`` with a ``peft_config`` on a model it loads by path (at
+stage 3 built in ``zero.Init``, then given LoRA adapters) at stages 2 and 3, and ``GRPOTrainer`` at
+stage 3, which generates with the model it trains through TRL's ``unwrap_model_for_generation``
+(``GatheredParameters`` over the engine's parameters, ``optimizer.parameter_offload``'s hooks,
+``ds_status``, ``ds_active_sub_modules``, ``ds_external_parameters``). One 2-rank torchrun job runs
+every case (``trl_tasks.py``) in the environment without DeepSpeed."""
 from __future__ import annotations
 
 import json
@@ -17,7 +18,7 @@ import pytest
 HERE = Path(__file__).parent
 SRC = str(HERE.parent / "src")
 
-CASES = {"sft": ["2", "3"], "dpo": ["2", "3"], "grpo": ["3"]}
+CASES = {"sft": ["2", "3"], "sftlora": ["2", "3"], "dpo": ["2", "3"], "grpo": ["3"]}
 # 4 ranks: AutoTP over pairs against the reference with one sample per device (the same samples a step)
 TP_CASES = {"sft": ["2-tp2"], "dpo": ["2-tp2"]}
 

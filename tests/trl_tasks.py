@@ -82,6 +82,17 @@ def run_case(case: str, out_dir: str) -> list[float]:
         data = Dataset.from_dict({"text": sentences(16, 12, 1)})
         trainer = SFTTrainer(model=build(), args=SFTConfig(max_length=16, **common), train_dataset=data,
                              processing_class=tokenizer())
+    elif kind == "sftlora":  # by path with a peft_config: at stage 3 built in zero.Init, then get_peft_model
+        from peft import LoraConfig
+        saved = os.path.join(out_dir, "sftlora_model")
+        if int(os.environ.get("RANK", "0")) == 0:
+            build().save_pretrained(saved)
+        args = SFTConfig(max_length=16, **common)
+        torch.distributed.barrier()  # (the group the arguments started) rank 0 has saved the model
+        trainer = SFTTrainer(model=saved, args=args, train_dataset=Dataset.from_dict({"text": sentences(16, 12, 1)}),
+                             processing_class=tokenizer(),
+                             peft_config=LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                    target_modules=["c_attn", "c_fc"]))
     elif kind == "dpo":
         data = Dataset.from_dict({"prompt": sentences(16, 4, 2), "chosen": sentences(16, 4, 3),
                                   "rejected": sentences(16, 4, 4)})
