@@ -53,13 +53,15 @@ def test_streamed_gpt_matches_the_whole_model_with_two_modules_resident(tmp_path
     assert all(p.is_meta for m in model.streamed for p in m._parameters.values() if p is not None)
 
 
-def test_streamed_transformers_causal_lm_generates_like_the_whole_model(tmp_path):
+@pytest.mark.parametrize("meta", [True, False])
+def test_streamed_transformers_causal_lm_generates_like_the_whole_model(tmp_path, meta):
     """A transformers GPT-2 (tied lm_head) built in zerodp.zero.Init(meta=True) and streamed from its
-    save_pretrained directory generates the whole model's tokens (greedy)."""
+    save_pretrained directory generates the whole model's tokens (greedy); built in zero.Init keeping
+    slices (meta=False), the slices are dropped for the files' weights."""
     import hf_tasks
     ref = hf_tasks.build_model("gpt2").eval()
     ref.save_pretrained(tmp_path)
-    with zerodp.zero.Init(meta=True):
+    with zerodp.zero.Init(meta=meta):
         meta = hf_tasks.build_model("gpt2").eval()
     model = stream(meta, tmp_path, threshold=500)
     ids = torch.tensor([[1, 5, 9, 2]])

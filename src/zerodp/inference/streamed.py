@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ..core.device import default_device
-from ..core.init_shards import adopted
+from ..core.init_shards import full_shape, init_shard
 
 __all__ = ["StreamedModel", "stream"]
 
@@ -79,14 +79,19 @@ class StreamedModel(nn.Module):
         self._names: dict[int, list[str]] = defaultdict(list)   # id(param) -> its names
         self._holders: dict[int, list[tuple[nn.Module, str]]] = defaultdict(list)
         self._meta: dict[int, nn.Parameter] = {}
+        in_init: dict[int, nn.Parameter] = {}  # built in zero.Init without meta=True -> its meta stand-in
         for mname, mod in model.named_modules():
-            for pname, p in mod._parameters.items():
+            for pname, p in list(mod._parameters.items()):
                 if p is None:
                     continue
+                if init_shard(p) is not None:  # its slice is not needed, the weights are read from the files
+                    if id(p) not in in_init:
+                        in_init[id(p)] = nn.Parameter(torch.empty(full_shape(p), dtype=p.dtype, device="meta"),
+                                                      requires_grad=p.requires_grad)
+                    p = mod._parameters[pname] = in_init[id(p)]
                 if not p.is_meta:
                     raise ValueError(f"{mname}.{pname} is not on the meta device: build the model inside "
                                      "zerodp.zero.Init(meta=True), so no weight is held twice")
-                adopted(p)  # built in zero.Init without meta=True: its slice is not needed, the weights are read
                 self._names[id(p)].append(f"{mname}.{pname}" if mname else pname)
                 self._holders[id(p)].append((mod, pname))
                 self._meta[id(p)] = p
