@@ -144,6 +144,7 @@ class FlatGroup:
         self.trainable = trainable
         self.unit = unit
         self.device = device
+        self._empty = torch.empty(0, dtype=self.dtype, device=device)  # the data of released parameters
         self.partitions, self.rank = partitions, rank
 
         self.slots: list[Slot] = []
@@ -199,8 +200,7 @@ class FlatGroup:
                             requires_grad=p.requires_grad) for p in self.params]
         self.replaced = {id(old): p for old, p in zip(self.params, new)}
         self.params = new
-        self.full.untyped_storage().resize_(0)
-        self._bind_params_released()
+        self.full.untyped_storage().resize_(0)  # the new parameters' data stays empty until materialize()
         # written whole by keep_own_shard; left untouched until then (no memory is committed)
         self._own_shard = torch.empty(self.shard_numel, dtype=self.dtype, device=self.device)
 
@@ -303,10 +303,9 @@ class FlatGroup:
         touching freed memory. Views of ``full`` that autograd saved in a forward keep its storage,
         which the next gather fills again. A ``DTensor`` (tensor parallelism) keeps its view: its
         shape is its own metadata, not its local tensor's."""
-        empty = torch.empty(0, dtype=self.dtype, device=self.device)
         for p in self.params:
             if not isinstance(p, DTensor):
-                p.data = empty
+                p.data = self._empty
 
     def _take_back_own_shard(self) -> None:
         """Give the own shard its storage again, with its values from ``full`` (after a

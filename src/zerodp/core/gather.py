@@ -28,7 +28,7 @@ from torch import nn
 from .agree import END_OF_FORWARD, UnitAgreement
 from .flat import FlatGroup
 from .init_shards import adopted, full_shape, full_values, init_shard
-from .leaves import LEAF_ATTR, enclosing_leaf_candidate, is_leaf  # noqa: F401
+from .leaves import enclosing_leaf_candidate, is_leaf
 from .param_api import GatheredParameters, external_users, register_external_parameter, register_params  # noqa: F401
 
 if TYPE_CHECKING:

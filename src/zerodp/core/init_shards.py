@@ -198,7 +198,7 @@ def prepare_for_sharding(model: nn.Module, comm: Comm, shard_parameters: bool) -
         for p in built:
             materialize(p)
         return
-    lost = [n for n, p in named if p.is_meta and init_shard(p) is None]
+    lost = [n for n, p in named if p.is_meta]  # (a slice's data is empty on the real device, never meta)
     if lost:
         more = f" and {len(lost) - 5} more" if len(lost) > 5 else ""
         raise ValueError(
@@ -207,10 +207,8 @@ def prepare_for_sharding(model: nn.Module, comm: Comm, shard_parameters: bool) -
             "before initialize (e.g. moved to the meta device by code that followed another parameter's "
             "device) and would have to be invented. Create them with real values (after zero.Init is fine: "
             "they are then kept as their creator made them) or inside zero.Init")
-    seen: set[int] = set()
-    for _, p in named:
-        if id(p) not in seen and not p.is_meta and init_shard(p) is None:
-            seen.add(id(p))
+    for _, p in named:  # each parameter once: named_parameters() skips tied repeats
+        if init_shard(p) is None:
             shard_in_place(p, comm)
 
 
@@ -279,7 +277,7 @@ class ShardedConstruction:
         if param is None or has_no_values(param) or module.__dict__.get(_DEPTH, 0) > 0:
             return None  # meta or already a slice (a tied weight), or sharded when the constructor returns
         old = module._parameters.get(name)
-        if old is not None and old.is_meta and init_shard(old) is None:
+        if old is not None and old.is_meta:
             return None  # a value put in place of a parameter built on the meta device: kept as is
         return self._replace(param)
 

@@ -85,7 +85,7 @@ def GatheredParameters(params: Any, modifier_rank: Optional[int] = None, fwd_mod
     if isinstance(params, torch.Tensor):
         params = [params]
     params = [p for p in params if p is not None]
-    lost = [p for p in params if p.is_meta and init_shard(p) is None]
+    lost = [p for p in params if p.is_meta]  # (zero.Init's slices are empty on the real device, not meta)
     if lost:  # nothing to gather, and an edit inside would vanish without a word
         shapes = ", ".join(str(tuple(p.shape)) for p in lost[:5])
         raise ValueError(f"GatheredParameters: {len(lost)} parameter(s) on the meta device hold no values "
