@@ -247,6 +247,15 @@ def rss_now_mib() -> float:
         return 0.0
 
 
+def proc_status_mib(key: str) -> float:
+    """A memory field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``, ``RssAnon`` ...) in MiB (Linux)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024
+    raise KeyError(key)
+
+
 def peak_rss_mib() -> float:
     """Peak resident set size of this process so far."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -26,17 +26,16 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from _common import RESULT_PREFIX, failure_reason, python_without_deepspeed, torchrun, worker_env  # noqa: E402
+from _common import (  # noqa: E402
+    RESULT_PREFIX,
+    failure_reason,
+    proc_status_mib,
+    python_without_deepspeed,
+    torchrun,
+    worker_env,
+)
 
 STAGE3 = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
-
-
-def _status(key: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) / 1024
-    raise KeyError(key)
 
 
 def worker(model_dir: str, mode: str) -> None:
@@ -49,9 +48,9 @@ def worker(model_dir: str, mode: str) -> None:
     dist.barrier()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # peak RSS from here
-    rss0, anon0 = _status("VmRSS"), _status("RssAnon")
+    rss0, anon0 = proc_status_mib("VmRSS"), proc_status_mib("RssAnon")
     model = GPT2LMHeadModel.from_pretrained(model_dir)
-    mine = {"peak": _status("VmHWM") - rss0, "anon": _status("RssAnon") - anon0,
+    mine = {"peak": proc_status_mib("VmHWM") - rss0, "anon": proc_status_mib("RssAnon") - anon0,
             "sharded": all(p.numel() == 0 or p.is_meta for p in model.parameters())}
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)

@@ -1,6 +1,7 @@
 """QLoRA at stage 3: a LoRA adapter on a 4-bit base (bitsandbytes nf4, packed weights stored as
 fp32) trains through zerodp as in one process, and the packed base is sharded: each rank holds 1/N
-of every parameter."""
+of every parameter, from the load on when loaded inside ``zerodp.zero.ShardedLoad``; checkpoints
+and consolidation keep the quantization state with the codes."""
 from __future__ import annotations
 
 import pytest
@@ -9,6 +10,9 @@ pytest.importorskip("bitsandbytes", reason="QLoRA tests need bitsandbytes (in th
 pytest.importorskip("peft", reason="QLoRA tests need peft (in the test extra)")
 
 import qlora_tasks as qt  # noqa: E402
+import torch  # noqa: E402
+
+from zerodp.checkpoint.consolidate import consolidate  # noqa: E402
 
 
 def test_qlora_at_stage3_trains_like_one_process(pool, tmp_path):
@@ -25,3 +29,68 @@ def test_qlora_at_stage3_trains_like_one_process(pool, tmp_path):
             assert err <= 2e-6, f"rank {rank} {name}: {err:.3g}"
         # this rank holds its shard of every parameter, the packed 4-bit base included
         assert r["params_bytes"] <= r["all_bytes"] / world + 65536, (r["params_bytes"], r["all_bytes"])
+
+
+@pytest.mark.parametrize("storage", [torch.float32, torch.uint8])
+def test_qlora_base_loaded_sharded_holds_its_slice_and_trains_the_same(pool, tmp_path, storage):
+    """Inside ``zerodp.zero.ShardedLoad`` each rank keeps about 1/N of the packed base from the load
+    on (before ``initialize``), and training then gives single-process QLoRA's adapters, with the
+    codes stored in the model's dtype or in bitsandbytes' default uint8."""
+    path = str(tmp_path / "base")
+    qt.save_base(path)
+    world = 2
+    out = pool.run(qt.train, world, path, True, "", storage)
+    want = qt.reference(path, world, storage)
+    for rank, r in enumerate(out):
+        held, whole = r["loaded_bytes"]
+        assert whole > 0 and held <= whole / world + 1024, (held, whole)  # 1/N, padding aside
+        for name, value in want.items():
+            err = (r["trained"][name] - value).abs().max().item()
+            assert err <= 2e-6, f"rank {rank} {name}: {err:.3g}"
+    if storage == torch.float32:
+        plain = pool.run(qt.train, world, path, False)  # loaded whole, as before
+        assert all(r["loaded_bytes"][0] == r["loaded_bytes"][1] for r in plain)
+
+
+def test_qlora_checkpoint_and_consolidation_keep_the_quantization_state(pool, tmp_path):
+    """Saved at world 2, loaded at world 1 into a base whose quantization state differs, the packed
+    base comes back with the checkpoint's codes and state; consolidated, it is a pre-quantized
+    checkpoint (codes as stored, state beside them, not cast) that dequantizes to the original."""
+    import bitsandbytes.functional as bnbf
+    from safetensors.torch import load_file
+
+    import zerodp.utils.zero_to_fp32 as z2f
+
+    path, ckpt = str(tmp_path / "base"), str(tmp_path / "ckpt")
+    qt.save_base(path)
+    trained = pool.run(qt.train, 2, path, True, ckpt)[0]["trained"]
+    original = qt.quantized_base(qt.with_lora(qt.load_base(path)))
+    back = pool.run(qt.resume, 1, path, ckpt)[0]
+    assert set(back["codes"]) == set(original["codes"]) and len(original["codes"]) == 14
+    for name, codes in original["codes"].items():
+        assert torch.equal(back["codes"][name], codes), name
+    assert set(back["states"]) == set(original["states"])
+    for name, t in original["states"].items():
+        assert torch.equal(back["states"][name], t), name
+    for name, value in trained.items():
+        assert torch.equal(back["trained"][name], value), name
+
+    for dtype in (None, "bf16"):  # a cast asked for leaves codes and quantization state alone
+        out = tmp_path / f"full-{dtype}"
+        if dtype is None:
+            z2f.convert_zero_checkpoint_to_fp32_state_dict(ckpt, str(out))
+        else:
+            consolidate(ckpt, str(out), dtype=dtype)
+        full = load_file(str(out / "model.safetensors"))
+        for name, codes in original["codes"].items():
+            key = name
+            assert full[key].dtype == codes.dtype and torch.equal(full[key], codes), key
+            mine = {k[len(key) + 1:]: full[k] for k in full if k.startswith(key + ".")}
+            assert set(mine) == {k[len(name) + 1:] for k in original["states"] if k.startswith(name + ".")}
+            state = bnbf.QuantState.from_dict(mine, device="cpu")
+            again = bnbf.dequantize_4bit(full[key], state)
+            want = bnbf.dequantize_4bit(codes, bnbf.QuantState.from_dict(
+                {k[len(name) + 1:]: v for k, v in original["states"].items() if k.startswith(name + ".")}, "cpu"))
+            assert torch.equal(again, want), key
+    state = z2f.get_fp32_state_dict_from_zero_checkpoint(ckpt)
+    assert any(k.endswith(".quant_state.bitsandbytes__nf4") for k in state)

@@ -15,6 +15,11 @@ A parameter created after the context with values of its own (a LoRA adapter pla
 layer's device, a new head) keeps them: ``initialize`` shards it in place, rank 0's values. One
 on the meta device in such a model has lost its values, and ``initialize`` says so, naming it.
 
+``ShardedLoad`` (zerodp's) is ``Init`` for a 4-bit model that transformers loads: it builds a
+quantized model on the meta device and skips ``Init``, so call ``from_pretrained`` inside
+``ShardedLoad()`` instead, and each rank keeps only its slice of every packed weight as it loads
+(``core/packed.py``).
+
 A parameter created inside the context on the meta device (a model built with
 ``torch.device("meta")``) stays without values: ``initialize`` gives them, one unit at a time,
 by each module's ``reset_parameters()`` and then ``param_init_fn`` or, for a ``transformers``
@@ -31,9 +36,10 @@ import torch
 from torch import nn
 
 from .core.init_shards import ShardedConstruction
+from .core.packed import ShardedLoad
 from .core.param_api import GatheredParameters, register_external_parameter
 
-__all__ = ["Init", "GatheredParameters", "register_external_parameter"]
+__all__ = ["Init", "GatheredParameters", "register_external_parameter", "ShardedLoad"]
 
 
 def _config_dtype(config: Any) -> Optional[torch.dtype]:

@@ -1,7 +1,10 @@
 """Full weights out of a sharded checkpoint, and out of a running engine.
 
 :func:`consolidate` writes a checkpoint's parameters (and buffers) as plain full tensors in
-safetensors files, ``model.safetensors`` or, above ``max_shard_size``, ``model-0000k-of-0000n
+safetensors files (a packed 4-bit weight as its codes, in the dtype they are stored in and never
+cast, beside its quantization state under the names ``state_dict()`` of a bitsandbytes model gives
+it: the form of a pre-quantized checkpoint, which bitsandbytes dequantizes and transformers
+loads), ``model.safetensors`` or, above ``max_shard_size``, ``model-0000k-of-0000n
 .safetensors`` with the ``model.safetensors.index.json`` that ``transformers`` reads. It
 streams: each tensor is read from the ranks' files and converted a chunk of
 ``CHUNK_ELEMENTS`` at a time, so peak memory stays about one chunk (tens of MB), whatever
@@ -104,12 +107,17 @@ def consolidate(checkpoint_dir, output_dir, tag: Optional[str] = None, dtype: Op
     limit = parse_size(max_shard_size)
     out_dir = Path(output_dir)
     with open_checkpoint(checkpoint_dir, tag) as src:
-        def target(stored: torch.dtype) -> torch.dtype:
-            return DTYPES[dtype] if dtype is not None and stored.is_floating_point else stored
-        items = [(o, n, shape, target(d)) for o, n, shape, d in _tensor_list(src, exclude_frozen_parameters)]
+        def target(stored: torch.dtype, name: Optional[str] = None) -> torch.dtype:
+            cast = dtype is not None and stored.is_floating_point and name not in src.packed
+            return DTYPES[dtype] if cast else stored
+        items = [(o, n, shape, target(d, n)) for o, n, shape, d in _tensor_list(src, exclude_frozen_parameters)]
         buffers = {n: b for n, b in src.read_buffers().items()}
         for n, b in buffers.items():
             items.append((n, None, tuple(b.shape), target(b.dtype)))
+        if not exclude_frozen_parameters:  # the quantization state of packed weights, as stored
+            for n, t in src.read_packed_states().items():
+                buffers[n] = t
+                items.append((n, None, tuple(t.shape), t.dtype))
         shards: list[list] = [[]]
         size = 0
         for item in items:
@@ -173,18 +181,23 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag: Optional[str] 
                                              lazy_mode: bool = False) -> "OrderedDict[str, torch.Tensor]":
     """The checkpoint's full fp32 weights (and buffers) in memory, by name, as DeepSpeed's
     function of that name returns them; tied parameters appear under each name, sharing
-    one tensor. ``lazy_mode`` is accepted for compatibility (tensors are always read)."""
+    one tensor. A packed 4-bit weight comes as its codes in their stored dtype, with its
+    quantization state (see module docstring). ``lazy_mode`` is accepted for compatibility
+    (tensors are always read)."""
     out: "OrderedDict[str, torch.Tensor]" = OrderedDict()
     with open_checkpoint(checkpoint_dir, tag) as src:
         cache: dict[str, torch.Tensor] = {}
         for out_name, name, shape, stored in _tensor_list(src, exclude_frozen_parameters):
             if name not in cache:
-                full = torch.empty(shape, dtype=torch.float32 if stored.is_floating_point else stored)
+                as_fp32 = stored.is_floating_point and name not in src.packed
+                full = torch.empty(shape, dtype=torch.float32 if as_fp32 else stored)
                 src.read([Read(name, VALUE, 0, full.numel(), full.view(-1))])
                 cache[name] = full
             out[out_name] = cache[name]
         for n, b in src.read_buffers().items():
             out[n] = b
+        if not exclude_frozen_parameters:
+            out.update(src.read_packed_states())
     return out
 
 
@@ -200,7 +213,8 @@ def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir,
 def consolidated_16bit_state_dict(view: CheckpointView, exclude_frozen_parameters: bool = False
                                   ) -> "OrderedDict[str, torch.Tensor]":
     """The full model's weights in the compute dtype (gathered group by group at stage 3, a
-    split parameter's tensor-parallel slices put together) and persistent buffers, on the CPU,
+    split parameter's tensor-parallel slices put together; packed 4-bit weights as their codes,
+    with their quantization state) and persistent buffers, on the CPU,
     in the module's state-dict order, on rank 0; an empty dict on the other ranks. Every rank
     must call it. Under a pipeline each stage's first rank puts its stage's part together and
     rank 0 receives them in stage order (a tied weight once, from its first stage)."""
@@ -254,6 +268,9 @@ def _stage_16bit_state_dict(view: CheckpointView, first: bool, exclude_frozen_pa
             state[name] = p.detach().to("cpu", copy=True)
     for name, b in persistent_buffers(view.module).items():
         state[name] = b.detach().to("cpu", copy=True)
+    if not exclude_frozen_parameters:  # packed 4-bit weights' quantization state, as state_dict() has it
+        for states in view.packed_states().values():
+            state.update(states)
     order = [k for k in view.module.state_dict().keys() if k in state]
     return OrderedDict((k, state[k]) for k in order + [k for k in state if k not in order])
 

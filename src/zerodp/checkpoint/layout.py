@@ -17,8 +17,10 @@ rank writes:
   state (``step``).
 
 Rank 0 also writes what is not sharded: parameters the optimizer does not manage
-(``extra.{name}.value``), persistent buffers (``buffer.{name}``), and the tensors of the
-client state, optimizer hyperparameters and scheduler.
+(``extra.{name}.value``), persistent buffers (``buffer.{name}``), the quantization state of
+packed 4-bit weights (``packed.{name}``, by the names ``state_dict()`` gives it beside the weight:
+``<weight>.absmax`` ...; the index's ``packed`` maps each such weight to them), and the tensors of
+the client state, optimizer hyperparameters and scheduler.
 
 The index (``index.json``, written by rank 0) maps every parameter name to its shape, dtype,
 param group, optimizer-state keys and scalars, and its pieces: ``{rank, prefix, at, start,
@@ -273,7 +275,9 @@ class RankPlan:
                                         "stop": p.numel(), "group": None, "piece": None}]}
         return {"params": {n: params[n] for n in order}, "aliases": model_aliases(view.module),
                 "buffers": {n: {"shape": list(b.shape), "dtype": dtype_name(b.dtype), "rank": base}
-                            for n, b in self.buffers.items()}}
+                            for n, b in self.buffers.items()},
+                "packed": {p: {n: {"shape": list(t.shape), "dtype": dtype_name(t.dtype), "rank": base}
+                               for n, t in states.items()} for p, states in self.packed.items()}}
 
     def index_skeleton(self, stages: Optional[list[dict]] = None) -> dict:
         """The index without what only the other ranks know (state keys, scalars, file records),
@@ -281,7 +285,7 @@ class RankPlan:
         stage's first rank; this rank's own part alone without a pipeline)."""
         view = self.view
         parts = stages if stages is not None else [self.stage_skeleton()]
-        merged: dict = {"params": {}, "aliases": {}, "buffers": {}}
+        merged: dict = {"params": {}, "aliases": {}, "buffers": {}, "packed": {}}
         for part in parts:
             for key in merged:
                 merged[key].update(part[key])
@@ -291,15 +295,19 @@ class RankPlan:
 
     def _add_unsharded(self) -> None:
         """The first rank of each pipeline stage (rank 0 without a pipeline) writes the stage's unsharded
-        tensors: loose parameters and persistent buffers."""
+        tensors: loose parameters, persistent buffers and the quantization state of packed weights."""
         self.loose = {n: p for n, p in loose_parameters(self.view).items()
                       if not (self.exclude_frozen and not p.requires_grad)}
         self.buffers = persistent_buffers(self.view.module)
+        self.packed = {} if self.exclude_frozen else self.view.packed_states()  # packed weights are frozen
         if self.view.stage_first:
             for name, p in self.loose.items():
                 self.add_whole(f"extra.{name}.value", p.detach())
             for name, b in self.buffers.items():
                 self.add_whole(f"buffer.{name}", b)
+            for states in self.packed.values():
+                for name, t in states.items():
+                    self.add_whole(f"packed.{name}", t)
 
 
 def _swapped_in(g: FlatGroup, parts) -> Iterator[torch.Tensor]:

@@ -12,7 +12,8 @@ any world size and stage from it:
    engine has changed;
 3. every rank puts what it read in place: optimizer state, fp32 masters (16-bit parameters
    rounded from them; with disk offload each tile read and written once, its states with it),
-   then the all-gather that completes the full parameters at stages 1-2;
+   then the all-gather that completes the full parameters at stages 1-2; packed 4-bit weights
+   take the checkpoint's quantization state with their codes;
    the scheduler, loss scale, counters, RNG states (same world size only) and the
    data-loader position follow.
 """
@@ -143,6 +144,7 @@ class ZerodpSource(Source):
         self.data_loader = index.get("data_loader")
         self.client_state = decode(index.get("client_state", {}), self._rank0_tensor)
         self.buffer_names = tuple(index.get("buffers", {}))
+        self.packed = {p: tuple(states) for p, states in index.get("packed", {}).items()}
 
     def file(self, name: str) -> TensorFile:
         if name not in self._files:
@@ -230,6 +232,11 @@ class ZerodpSource(Source):
         return {name: self.file(rank_file(buffers[name].get("rank", 0))).read(f"buffer.{name}")
                 for name in self.buffer_names}
 
+    def read_packed_states(self) -> dict[str, torch.Tensor]:
+        packed = self.index.get("packed", {})  # in the pipeline stage's first file, as buffers
+        return {name: self.file(rank_file(e.get("rank", 0))).read(f"packed.{name}")
+                for states in packed.values() for name, e in states.items()}
+
     @property
     def rng_states(self) -> None:  # per rank, read on demand by rank_record()
         return None
@@ -259,6 +266,7 @@ class _Plan:
         self.piece_params: dict[int, torch.nn.Parameter] = {}
         self.loose: dict[str, torch.Tensor] = {}
         self.buffers: dict[str, torch.Tensor] = {}
+        self.packed_states: dict[str, torch.Tensor] = {}
 
 
 def _match_names(view: CheckpointView, src: Source, strict: bool) -> dict[str, str]:
@@ -376,6 +384,7 @@ def _read_plan(view: CheckpointView, src: Source, mapping: dict[str, str], with_
                     raise CheckpointError(f"{src.describe()}: buffer {name} has shape {tuple(got[name].shape)}, "
                                           f"the model's {tuple(buf.shape)}")
                 plan.buffers[name] = got[name]
+    plan.packed_states = src.read_packed_states()
     return plan
 
 
@@ -442,6 +451,7 @@ def load_into_engine(view: CheckpointView, src: Source, *, strict: bool = True,
         buffers = persistent_buffers(view.module)
         for name, value in plan.buffers.items():
             buffers[name].copy_(value)
+    view.restore_packed_states(plan.packed_states)  # the codes loaded above are read with these
     view.zero_grad()
     if not load_module_only:
         if load_lr_scheduler_states and view.lr_scheduler is not None and src.lr_scheduler is not None:

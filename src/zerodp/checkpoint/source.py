@@ -111,6 +111,9 @@ class Source(abc.ABC):
     rng_states: Optional[list[dict]] = None   #: per rank, zerodp's format (see state.py)
     data_loader: Optional[dict] = None        #: zerodp's loader position (see state.py)
     buffer_names: tuple[str, ...] = ()
+    #: packed 4-bit weights (their values are codes, never cast) -> the names of their
+    #: quantization-state tensors (``<weight>.absmax`` ...; see ``core/packed.py``)
+    packed: dict[str, tuple[str, ...]] = {}
 
     @abc.abstractmethod
     def read(self, reads: list[Read]) -> None:
@@ -125,6 +128,11 @@ class Source(abc.ABC):
     @abc.abstractmethod
     def read_buffers(self) -> dict[str, torch.Tensor]:
         """The model's persistent buffers (batch-norm statistics ...), full, by name."""
+
+    def read_packed_states(self) -> dict[str, torch.Tensor]:
+        """The quantization state of the packed weights, every tensor by its name (empty for a
+        checkpoint without packed weights)."""
+        return {}
 
     def close(self) -> None:  # noqa: B027 - optional: a source with no open files keeps this
         """Release open files."""

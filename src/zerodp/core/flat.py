@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from .init_shards import ZeroParamStatus, full_shape, has_no_values
+from .packed import empty_like_packed, is_packed
 
 ALIGN_BYTES = 16
 
@@ -196,8 +197,9 @@ class FlatGroup:
             raise ValueError(f"flat group {self.index} mixes parameters on the meta device with "
                              "materialized ones; build the model all on the meta device or not at all")
         self.full = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)  # untouched
-        new = [nn.Parameter(torch.empty(0, dtype=self.dtype, device=self.device),
-                            requires_grad=p.requires_grad) for p in self.params]
+        new = [empty_like_packed(p, torch.empty(0, dtype=self.dtype, device=self.device)) if is_packed(p)
+               else nn.Parameter(torch.empty(0, dtype=self.dtype, device=self.device), requires_grad=p.requires_grad)
+               for p in self.params]  # a packed 4-bit weight stays one, with its quantization state
         self.replaced = {id(old): p for old, p in zip(self.params, new)}
         self.params = new
         self.full.untyped_storage().resize_(0)  # the new parameters' data stays empty until materialize()

@@ -91,7 +91,10 @@ def _sliced(param: torch.Tensor, comm: Comm, dtype: Optional[torch.dtype]) -> tu
     full = param.detach()
     if dtype is not None and full.is_floating_point():
         full = full.to(dtype)
-    full = full.to(default_device()).contiguous()
+    if comm.rank == 0:
+        full = full.to(default_device()).contiguous()
+    else:  # rank 0's values land in a buffer of this rank's own, never in the parameter's storage
+        full = torch.empty(full.shape, dtype=full.dtype, device=default_device())  # (which may map a file)
     comm.broadcast(full, src_rank=0)
     shard = InitShard(_slice_of(full.reshape(-1), comm), param.shape, comm)
     return shard, torch.empty(0, dtype=full.dtype, device=full.device)
@@ -124,6 +127,16 @@ def shard_in_place(param: nn.Parameter, comm: Comm) -> None:
     been built in ``Init``: the same object, so optimizers and param groups that hold it still do."""
     shard, empty = _sliced(param, comm, None)
     param.data = empty
+    _describe(param, shard)
+
+
+def keep_own_slice(param: nn.Parameter, comm: Comm) -> None:
+    """Make ``param`` itself keep only this rank's slice of the values it holds, with no
+    communication: for values every rank computed alike (a weight read from the same file and
+    quantized the same way, ``core/packed.py``), where ``shard_in_place`` would broadcast rank 0's."""
+    full = param.detach().reshape(-1)
+    shard = InitShard(_slice_of(full, comm), param.shape, comm)
+    param.data = torch.empty(0, dtype=param.dtype, device=param.device)
     _describe(param, shard)
 
 

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from .flat import set_param_data
+from .packed import is_packed
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -73,14 +74,15 @@ class PrecisionPolicy:
 
     def cast_model(self, model: nn.Module) -> None:
         """Cast floating-point parameters and buffers to the compute dtype, in place
-        (parameter objects keep their identity); batch-norm layers stay fp32."""
+        (parameter objects keep their identity); batch-norm layers stay fp32, and packed 4-bit
+        weights keep their storage dtype (their data are codes, ``core/packed.py``)."""
         if not self.mixed:
             return
         for module in model.modules():
             if isinstance(module, nn.modules.batchnorm._NormBase):
                 continue
             for p in module.parameters(recurse=False):
-                if p.is_floating_point() and p.dtype != self.compute:
+                if p.is_floating_point() and p.dtype != self.compute and not is_packed(p):  # codes: not numbers
                     set_param_data(p, p.data.to(self.compute))
             for name, buf in module._buffers.items():
                 if buf is not None and buf.is_floating_point() and buf.dtype != self.compute:

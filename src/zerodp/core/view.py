@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional
 
+from .packed import packed_states, restore_packed_states
+
 if TYPE_CHECKING:
     import torch
     from torch import nn
@@ -210,6 +212,18 @@ class CheckpointView:
     def gradient_accumulation_steps(self) -> int:
         """Micro-batches per optimizer step."""
         return self._engine.gradient_accumulation_steps()
+
+    # -- packed 4-bit weights: the quantization state beside the codes ---------------------
+
+    def packed_states(self) -> "dict[str, dict[str, torch.Tensor]]":
+        """Each packed 4-bit parameter's quantization state, by parameter name: the tensors
+        ``state_dict()`` writes beside the weight, by their state-dict names (``core/packed.py``)."""
+        return packed_states(self._engine.base_module)
+
+    def restore_packed_states(self, tensors: "dict[str, torch.Tensor]") -> list:
+        """Give the packed parameters the quantization state in ``tensors`` (a load); returns
+        the names of the parameters restored."""
+        return restore_packed_states(self._engine.base_module, tensors)
 
     # -- what a load does to the engine besides filling tensors ----------------------------
 
