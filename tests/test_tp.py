@@ -103,6 +103,14 @@ def test_heads_that_do_not_split_are_refused_naming_the_layer(pool):
                for e in errors), errors
 
 
+def test_tensor_parallelism_over_gloo_on_cuda_is_refused(pool):
+    """DTensor over gloo ends the process on CUDA tensors (a segmentation fault, seen on a GPU with
+    torch 2.11: benchmarks/gloo_cuda_probe.py); initialize says so and names NCCL instead."""
+    from tp_tasks import refused_gloo_on_cuda
+    errors = pool.run(refused_gloo_on_cuda, 4)
+    assert all(e.startswith("tensor parallelism on CUDA needs an NCCL process group") for e in errors), errors
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 def test_hybrid_shard2_replicate2(pool, stage):
     """mics_shard_size 2 on 4 data-parallel ranks: sharded inside {0,1} and {2,3}, replicated

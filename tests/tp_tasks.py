@@ -143,7 +143,7 @@ def whole_params(engine) -> dict[str, torch.Tensor]:
     slices = {s.name: s.tp for g in engine.flat_groups for s in g.slots}
     with zerodp.GatheredParameters(list(engine.module.parameters())):
         for name, p in engine.module.named_parameters():
-            local = local_tensor(p).detach().clone().float()
+            local = local_tensor(p).detach().float().to("cpu", copy=True)
             tp = slices.get(name)
             if tp is None:
                 out[name] = local
@@ -187,7 +187,7 @@ def train(group, model_name: str, stage: int, tp: int, steps: int, gas: int = 1,
     norms = []
     for step in range(steps):
         for m in range(gas):
-            x, y = batch(step, dp_rank, m)
+            x, y = (t.to(engine.device) for t in batch(step, dp_rank, m))
             if plain_loop:  # split logits: the backward in torch's loss_parallel(), as torch asks
                 from torch.distributed.tensor.parallel import loss_parallel as lp
                 with lp() if loss_parallel else contextlib.nullcontext():
@@ -456,6 +456,22 @@ def refused_option(group, case: str) -> str:
         zerodp.initialize(model=model, config=cfg)
     except ValueError as e:
         return str(e)
+    return "no error"
+
+
+def refused_gloo_on_cuda(group) -> str:
+    """What initialize says of tensor parallelism over gloo where the engine computes on CUDA (on a
+    machine without one, as if ``core/device.py`` had picked a GPU: the check comes first)."""
+    import zerodp.core.device as device
+    world = dist.get_world_size()
+    chosen = device.default_device
+    device.default_device = lambda: torch.device("cuda", 0)
+    try:
+        zerodp.initialize(model=build_gpt(), config=config(1, 2, world // 2))
+    except ValueError as e:
+        return str(e)
+    finally:
+        device.default_device = chosen
     return "no error"
 
 

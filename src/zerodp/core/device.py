@@ -29,6 +29,14 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
+def select(device: torch.device) -> None:
+    """Make ``device`` this process's current CUDA device (nothing on the CPU), so that what picks
+    a device from the current one (torch's ``DeviceMesh``, NCCL's group start-up) picks the
+    engine's, also where ranks share a GPU and ``LOCAL_RANK`` is past the device count."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 def backend_for(device: torch.device) -> str:
     """The collective backend that suits ``device``: NCCL for CUDA, gloo for CPU."""
     return "nccl" if device.type == "cuda" else "gloo"

@@ -59,7 +59,7 @@ from .assemble import (
     user_param_groups,
 )
 from .collectives import SCRATCH, CommCounter
-from .device import default_device, synchronize
+from .device import default_device, select, synchronize
 from .engine_api import EngineAPI
 from .gather import (
     Prefetcher,
@@ -158,6 +158,7 @@ class ZeroEngine(EngineAPI, nn.Module):
         (self._train_batch_size, self._micro_batch_size,
          self._gas) = resolve_batch_sizes(config, self.dp_world_size, self.grid.deepspeed_batch_ranks)
         self.device = default_device()
+        select(self.device)
         self.precision = PrecisionPolicy.from_config(config)
         self.precision.cast_model(model)
         self.loss_scaler: Optional[LossScaler] = (LossScaler.from_config(config.fp16)

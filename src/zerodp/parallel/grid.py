@@ -110,8 +110,15 @@ class Grid:
         if self._tp_mesh is None and self.tensor.size > 1:
             from torch.distributed.device_mesh import DeviceMesh
 
-            from ..core.device import default_device
-            self._tp_mesh = DeviceMesh.from_group(self.tensor.group, default_device().type)
+            from ..core.device import default_device, select
+            device = default_device()
+            if device.type == "cuda" and str(dist.get_backend(self.tensor.group)).lower() == "gloo":
+                raise ValueError("tensor parallelism on CUDA needs an NCCL process group: torch's DTensor "
+                                 "over gloo ends the process on CUDA tensors (a segmentation fault in "
+                                 "its redistribution, seen with torch 2.11; benchmarks/gloo_cuda_probe.py "
+                                 "shows it); start the group with backend 'nccl'")
+            select(device)  # else the mesh sets cuda:LOCAL_RANK, which need not be the engine's device
+            self._tp_mesh = DeviceMesh.from_group(self.tensor.group, device.type)
         return self._tp_mesh
 
     def describe(self) -> str:
