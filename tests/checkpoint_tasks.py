@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from parity_model import ADAMW, MICRO, ParityNet, batch, build_model, gathered_params, param_groups, use_branch
+from parity_model import ADAMW, MICRO, ParityNet, batch, build_model, gathered_params, on, param_groups, use_branch
 from precision_tasks import DTYPES, gathered_masters, master_update
 from torch import nn
 
@@ -66,7 +66,7 @@ def train_steps(engine, first: int, last: int) -> list[float]:
     norms = []
     for step in range(first, last):
         for m in range(gas):
-            engine.backward(engine(*micro_batch(step, rank * gas + m), branch(step)))
+            engine.backward(engine(*on(engine.device, micro_batch(step, rank * gas + m)), branch(step)))
             engine.step()
         norms.append(engine.get_global_grad_norm())
     return norms

@@ -29,6 +29,8 @@ do; with ``-mts`` also PEFT's ``modules_to_save=["ln_f"]``, a trained copy of a 
 ``-qwen3moe`` and ``-mixtral`` train transformers' tiny Qwen3-MoE or Mixtral (router aux loss on) instead
 of GPT-2, at stage 3 with every module a unit, so the sparse MoE block must be a leaf (DeepSpeed's default
 leaf classes); ``-resize`` (with ``-pre``) calls ``resize_token_embeddings`` on the loaded model.
+
+The Trainers run on the CPU, or on CUDA with ``ZERODP_HF_TASKS_DEVICE=cuda`` (tests/cuda).
 """
 from __future__ import annotations
 
@@ -43,6 +45,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 VOCAB, SEQ = 100, 16
+ON_CUDA = os.environ.get("ZERODP_HF_TASKS_DEVICE", "cpu") == "cuda"
+DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if ON_CUDA else torch.device("cpu")
 BUILT_IN_INIT: dict[str, bool] = {}  # per -pre case: every parameter a zero.Init slice after loading
 ADAPTERS: dict[str, dict] = {}  # per -lora case: where peft put the adapters, and lora_B's largest value
 
@@ -143,7 +147,7 @@ def make_trainer(case: str, out_dir: str, model: GPT2LMHeadModel | None = None) 
         per_device_eval_batch_size=spec["batch"],
         gradient_accumulation_steps=spec["gas"], max_steps=3, logging_steps=1, learning_rate=1e-3,
         lr_scheduler_type="linear" if spec["fp16"] else "constant", bf16=spec["bf16"], fp16=spec["fp16"],
-        deepspeed=spec["ds"], use_cpu=True,
+        deepspeed=spec["ds"], use_cpu=not ON_CUDA,
         save_strategy="steps" if spec["ckpt"] else "no", save_steps=2, report_to=[], disable_tqdm=True,
         gradient_checkpointing=spec["gc"])
     if model is None:  # after the arguments: under a stage-3 config, built in zero.Init
@@ -151,7 +155,7 @@ def make_trainer(case: str, out_dir: str, model: GPT2LMHeadModel | None = None) 
         torch.manual_seed(1)  # what initializes the weights a checkpoint lacks (-miss)
         model = GPT2LMHeadModel.from_pretrained(os.path.join(out_dir, "partial" if spec["miss"] else "pretrained"))
         # as DeepSpeed's zero.Init leaves them: empty data on the real device, the shape in ds_shape
-        BUILT_IN_INIT[case] = all(p.numel() == 0 and p.device == model.device == torch.device("cpu")
+        BUILT_IN_INIT[case] = all(p.numel() == 0 and p.device == model.device == DEVICE
                                   and hasattr(p, "ds_shape") for p in model.parameters())
         if spec["resize"]:  # transformers makes the new embedding on the old one's device, copies the rows in
             torch.manual_seed(3)  # (at stage 3 inside GatheredParameters) and draws the new rows
@@ -169,7 +173,8 @@ PROMPT = [[1, 5, 9, 2]]
 
 
 def generate(model) -> list:
-    return model.generate(torch.tensor(PROMPT), max_new_tokens=5, do_sample=False, pad_token_id=0).tolist()
+    return model.generate(torch.tensor(PROMPT, device=DEVICE), max_new_tokens=5, do_sample=False,
+                          pad_token_id=0).tolist()
 
 
 def losses(trainer: Trainer) -> list[float]:

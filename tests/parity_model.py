@@ -80,12 +80,12 @@ def make_config(stage: int, world: int, gas: int = 1, clip: float = 0.0, bucket:
 
 
 def reference(world: int, steps: int, gas: int = 1, clip: float = 0.0, optimizer: str = "AdamW",
-              branch_on_all_ranks: bool = False):
-    """One process, the torch optimizer, the whole global batch of every step.
+              branch_on_all_ranks: bool = False, device: str | torch.device = "cpu"):
+    """One process, the torch optimizer, the whole global batch of every step, on ``device``.
 
-    Returns the parameters and the global gradient norm of every step (before clipping).
+    Returns the parameters (on the CPU) and the global gradient norm of every step (before clipping).
     """
-    model = build_model()
+    model = build_model().to(device)
     groups = param_groups(model)
     cls, hyper = OPTIMIZERS[optimizer]
     hyper = {k: tuple(v) if isinstance(v, list) else v for k, v in hyper.items()}
@@ -94,29 +94,35 @@ def reference(world: int, steps: int, gas: int = 1, clip: float = 0.0, optimizer
     norms = []
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
-        losses = [model(*batch(step, r, m), use_branch(step, r, m, branch_on_all_ranks))
+        losses = [model(*on(device, batch(step, r, m)), use_branch(step, r, m, branch_on_all_ranks))
                   for r in range(world) for m in range(gas)]
         (sum(losses) / len(losses)).backward()
         norms.append(torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf")).item())
         opt.step()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
+    return {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}, norms
+
+
+def on(device, tensors):
+    """``tensors`` moved to ``device`` (the engine's, which does not move a forward's inputs)."""
+    return tuple(t.to(device) for t in tensors)
 
 
 def train_engine(group, stage: int, steps: int, gas: int = 1, clip: float = 0.0,
                  bucket: int = 500_000_000, overlap: bool = True, optimizer: str = "AdamW",
-                 reduce_scatter: bool = True) -> dict:
-    """Worker task: the same training through zerodp; returns params and engine facts."""
+                 reduce_scatter: bool = True, zero: dict | None = None) -> dict:
+    """Worker task: the same training through zerodp (``zero``: more ``zero_optimization`` keys);
+    returns params and engine facts."""
     import torch.distributed as dist
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     model = build_model()
-    engine, _, _, _ = zerodp.initialize(model=model, model_parameters=param_groups(model),
-                                        config=make_config(stage, world, gas, clip, bucket, overlap, optimizer,
-                                                           reduce_scatter),
+    config = make_config(stage, world, gas, clip, bucket, overlap, optimizer, reduce_scatter)
+    config["zero_optimization"].update(zero or {})
+    engine, _, _, _ = zerodp.initialize(model=model, model_parameters=param_groups(model), config=config,
                                         process_group=group)
     norms = []
     for step in range(steps):
         for m in range(gas):
-            loss = engine(*batch(step, rank, m), use_branch(step, rank, m, stage == 3))
+            loss = engine(*on(engine.device, batch(step, rank, m)), use_branch(step, rank, m, stage == 3))
             engine.backward(loss)
             engine.step()
         norms.append(engine.get_global_grad_norm())
@@ -127,7 +133,7 @@ def train_engine(group, stage: int, steps: int, gas: int = 1, clip: float = 0.0,
 
 
 def gathered_params(engine) -> dict[str, torch.Tensor]:
-    """Full copies of every parameter (gathered first at stage 3)."""
+    """Full copies of every parameter on the CPU (gathered first at stage 3)."""
     params = list(engine.module.parameters())
     with zerodp.GatheredParameters(params):
-        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        return {n: p.detach().to("cpu", copy=True) for n, p in engine.module.named_parameters()}

@@ -12,7 +12,7 @@ import math
 
 import torch
 import torch.distributed as dist
-from parity_model import ADAMW, batch, build_model, gathered_params, param_groups, use_branch
+from parity_model import ADAMW, batch, build_model, gathered_params, on, param_groups, use_branch
 
 import zerodp
 from zerodp.core.precision import LossScaleAtMinimumError
@@ -42,7 +42,8 @@ def precision_config(stage: int, world: int, dtype: str, gas: int = 1, clip: flo
 
 
 def reference_mixed(world: int, steps: int, dtype: str, gas: int = 1, clip: float = 0.0,
-                    order: str = "fp32", scale: float = 2.0 ** 8, branch_on_all_ranks: bool = False):
+                    order: str = "fp32", scale: float = 2.0 ** 8, branch_on_all_ranks: bool = False,
+                    device: str | torch.device = "cpu"):
     """The reference (see module docstring). ``order`` says how chunk gradients are summed:
 
     * ``"fp32"``: all chunk gradients summed in fp32 (``grad_accum_dtype`` and
@@ -52,10 +53,11 @@ def reference_mixed(world: int, steps: int, dtype: str, gas: int = 1, clip: floa
     * ``"rank_then_micro"``: each micro-batch's gradients are added across ranks in 16 bits,
       then accumulated over micro-batches in 16 bits (stages 2-3 with the default dtypes).
 
-    Returns (fp32 master weights by name, grad norm per step, 16-bit parameters by name).
+    Runs on ``device``; returns (fp32 master weights by name, grad norm per step, 16-bit
+    parameters by name), on the CPU.
     """
     low = DTYPES[dtype]
-    model = build_model().to(low)
+    model = build_model().to(device=device, dtype=low)
     groups = param_groups(model)
     names = {id(p): n for n, p in model.named_parameters()}
     masters = {id(p): p.detach().float().clone().requires_grad_(True) for g in groups for p in g["params"]}
@@ -69,7 +71,7 @@ def reference_mixed(world: int, steps: int, dtype: str, gas: int = 1, clip: floa
         for r in range(world):
             for m in range(gas):
                 model.zero_grad(set_to_none=True)
-                loss = model(*batch(step, r, m), use_branch(step, r, m, branch_on_all_ranks))
+                loss = model(*on(device, batch(step, r, m)), use_branch(step, r, m, branch_on_all_ranks))
                 scaled = loss / gas if gas > 1 else loss
                 if dtype == "fp16":
                     scaled = scaled.float() * loss_scale
@@ -106,8 +108,8 @@ def reference_mixed(world: int, steps: int, dtype: str, gas: int = 1, clip: floa
                     acc = red if acc is None else acc + red
                 total[id(p)] = acc.float()
         norms.append(master_update(params, masters, total, world * loss_scale, clip, opt))
-    return ({names[k]: v.detach().clone() for k, v in masters.items()}, norms,
-            {n: p.detach().clone() for n, p in model.named_parameters()})
+    return ({names[k]: v.detach().to("cpu", copy=True) for k, v in masters.items()}, norms,
+            {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()})
 
 
 def master_update(params, masters: dict, total: dict, divisor: float, clip: float, opt, sched=None) -> float:
@@ -133,7 +135,7 @@ def master_update(params, masters: dict, total: dict, divisor: float, clip: floa
 
 
 def gathered_masters(engine) -> dict[str, torch.Tensor]:
-    """Every trainable parameter's fp32 master, assembled from all ranks' shards."""
+    """Every trainable parameter's fp32 master, assembled from all ranks' shards, on the CPU."""
     out = {}
     group = engine.comm.group
     for g in engine.trainable:
@@ -144,7 +146,7 @@ def gathered_masters(engine) -> dict[str, torch.Tensor]:
             dist.all_gather(parts, master.contiguous(), group=group)
             master = torch.cat(parts)
         for i, slot in enumerate(g.slots):
-            out[slot.name] = g.view(master, i).clone()
+            out[slot.name] = g.view(master, i).to("cpu", copy=True)
     return out
 
 
@@ -159,7 +161,7 @@ def train_mixed(group, stage: int, steps: int, dtype: str, gas: int = 1, clip: f
     norms, out_dtypes = [], set()
     for step in range(steps):
         for m in range(gas):
-            loss = engine(*batch(step, rank, m), use_branch(step, rank, m, stage == 3))
+            loss = engine(*on(engine.device, batch(step, rank, m)), use_branch(step, rank, m, stage == 3))
             out_dtypes.add(str(loss.dtype))
             engine.backward(loss)
             engine.step()

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The GPU checks, in one script, on a machine with one CUDA GPU (about 8 minutes on an H100):
+#
+#   bash benchmarks/gpu_check.sh [setup] [tests] [sanitizer] [bench] [largest]   # default: all
+#
+#   setup      install zerodp (editable, no network: its dependencies must be there already, or
+#              lie as wheels in .whl/ at the repository root, which this installs first)
+#   tests      the CUDA tier: pytest -m cuda tests/cuda (NCCL with one rank; two ranks on gloo)
+#   sanitizer  stage 3 and offload cases again under TORCH_CUDA_SANITIZER=1 (torch's stream checker)
+#   bench      benchmarks/gpu_throughput.py: tokens/s and MFU, zerodp against FSDP2 with CPU offload
+#   largest    the largest Llama that trains a step with optimizer and parameters in host memory
+#
+# Logs go to $OUT (or ./gpu_check_out): tests.log, sanitizer.log, bench.log, and JSON/XML beside.
+set -u
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/gpu_check_out}"
+mkdir -p "$OUT"
+PY="${PYTHON:-python3}"
+PHASES="${*:-setup tests sanitizer bench largest}"
+has() { case " $PHASES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+stamp() { echo "== $(date +%T) $*"; }
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+status=0
+
+stamp "machine"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+"$PY" -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version() if torch.cuda.is_available() else None)"
+echo "host memory: $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo), cpus: $(nproc)"
+
+if has setup; then
+  stamp "setup"
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl || status=1
+  fi
+  "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . || status=1
+  "$PY" -c "import zerodp, pydantic, transformers, peft, accelerate; print('zerodp', zerodp.__version__, '| transformers', transformers.__version__, '| peft', peft.__version__, '| accelerate', accelerate.__version__)" || status=1
+fi
+
+if has tests; then
+  stamp "tests: pytest -m cuda tests/cuda"
+  timeout 300 "$PY" -m pytest -m cuda tests/cuda -p no:cacheprovider -rfEs -v --durations=8 \
+      --junitxml="$OUT/tests.xml" 2>&1 | tee "$OUT/tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|slowest|s (call|setup)" | tail -70
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+
+if has sanitizer; then
+  stamp "sanitizer: stage 3 and offload under TORCH_CUDA_SANITIZER=1"
+  P=tests/cuda/test_cuda_parity.py; O=tests/cuda/test_cuda_offload.py
+  TORCH_CUDA_SANITIZER=1 timeout 150 "$PY" -m pytest -m cuda -p no:cacheprovider -rfE -q \
+      "$P::test_fp32_parity[3]" "$P::test_mixed_precision_parity[3-bf16]" \
+      "$P::test_stage3_prefetch_off_gives_the_same_numbers" "$P::test_overlap_comm_off_gives_the_same_numbers[2]" \
+      "$O::test_offload_gives_the_numbers_of_the_gpu_run[3-fp32-cpu-True]" \
+      "$O::test_offload_gives_the_numbers_of_the_gpu_run[3-fp32-nvme-False]" \
+      "$O::test_offload_gives_the_numbers_of_the_gpu_run[2-bf16-cpu-False]" \
+      2>&1 | tee "$OUT/sanitizer.log" | tail -25
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+
+if has bench; then
+  stamp "bench: one GPU, 1B Llama, bf16"
+  timeout 170 "$PY" benchmarks/gpu_throughput.py --size 1b --seq 2048 --batch 4 --steps 4 --budget 160 \
+      --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tail -20
+fi
+
+if has largest; then
+  stamp "largest: Llama 7B with optimizer and parameters in host memory"
+  timeout 260 "$PY" benchmarks/gpu_throughput.py --systems --largest "${LARGEST:-7b}" --seq 2048 --budget 240 \
+      --json "$OUT/largest.json" 2>&1 | tee "$OUT/largest.log" | tail -12
+fi
+
+stamp "done (status $status)"
+exit $status
