@@ -38,6 +38,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
 
 SYSTEMS = ["ddp", "zero0", "zero1", "zero2", "zero3", "zero3-noprefetch"]
+#: also runnable: the same without hang detection (comms_timeout_s "off"), to price it
+EXTRA = ["zero2-nowatch", "zero3-nowatch"]
 
 
 # ---------------------------------------------------------------------------- worker side
@@ -78,7 +80,7 @@ def _build(system: str, args: argparse.Namespace, device, world: int) -> dict:
     stage = int(system[len("zero")])
     prefetch = 0 if system.endswith("noprefetch") else bucket_elems
     config = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
-              "steps_per_print": 10**9,
+              "steps_per_print": 10**9, "comms_timeout_s": "off" if system.endswith("nowatch") else "auto",
               "zero_optimization": {"stage": stage, "overlap_comm": True,
                                     "reduce_bucket_size": bucket_elems,
                                     "allgather_bucket_size": bucket_elems,
@@ -221,7 +223,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--reps", type=int, default=3, help="paired runs per world size")
-    ap.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS,
+    ap.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS + EXTRA,
                     help="systems to run (ddp is always among them: the ratios are to it)")
     ap.add_argument("--model", default="medium", help="example GPT preset (tiny, small, medium)")
     ap.add_argument("--steps", type=int, default=8, help="timed optimizer steps per system and run")

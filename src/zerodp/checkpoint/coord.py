@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .. import health
 from .source import CheckpointError
 
 #: Bytes of each rank's failure message shared with the others.
@@ -48,6 +49,7 @@ class Coordinator:
 
     def __init__(self, comm, separate: bool = False) -> None:
         self.world_size, self.rank = comm.world_size, comm.rank
+        self.global_ranks = list(comm.global_ranks)
         self.group: Optional[dist.ProcessGroup] = None
         self.store = None
         self._round = 0
@@ -63,7 +65,7 @@ class Coordinator:
         self._round += 1
         keys = [f"{self._round}/{r}" for r in range(self.world_size)]
         self.store.set(keys[self.rank], value.encode("utf-8"))
-        self.store.wait(keys, STORE_TIMEOUT)
+        health.wait(health.StoreWait(self.store, keys, STORE_TIMEOUT), "a checkpoint agreement", self.global_ranks)
         return [self.store.get(k).decode("utf-8") for k in keys]
 
     def agree(self, error: Optional[BaseException], what: str) -> None:
@@ -88,7 +90,8 @@ class Coordinator:
         if raw:
             mine[1:1 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         out = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(out, mine, group=self.group)
+        health.wait(dist.all_gather(out, mine, group=self.group, async_op=True), "a checkpoint agreement",
+                    self.global_ranks)
         failures = []
         for r, t in enumerate(out):
             if t[0].item():
@@ -104,5 +107,6 @@ class Coordinator:
             return [int(v) for v in self._exchange(str(int(value)))]
         mine = torch.tensor([value], dtype=torch.int64)
         out = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(out, mine, group=self.group)
+        health.wait(dist.all_gather(out, mine, group=self.group, async_op=True), "a checkpoint agreement",
+                    self.global_ranks)
         return [int(t.item()) for t in out]

@@ -462,6 +462,13 @@ class Config(_Section):
                                                      "(or null) never.")
     wall_clock_breakdown: bool = Field(False, description="Log the mean forward, backward and step times every "
                                                           "steps_per_print steps (rank 0).")
+    comms_timeout_s: Literal["auto", "off"] | Annotated[float, Field(gt=0)] = Field(
+        "auto", description="Seconds a rank waits in a collective before it looks at the other ranks' progress "
+                            "records: a rank that stopped answering (no heartbeat), or every rank waiting in a "
+                            "collective, ends the wait with an error naming the ranks and where each was last "
+                            "seen; live ranks elsewhere are waited for (a warning each period) up to 20 periods. "
+                            "auto: 5x the slowest step so far, within 30-600 s; off: wait as torch does. Also "
+                            "sets the default process group's timeout to 21 periods when a number.")
     seed: int | None = Field(None, description="Stored for compatibility; zerodp does not seed RNGs (every rank starts "
                                                "from rank 0's initial parameters, broadcast at initialize).")
     optimizer: OptimizerConfig | None = Field(

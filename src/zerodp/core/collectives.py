@@ -64,6 +64,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from .. import health
+
 COLLECTIVE_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "control")
 
 # the tensor forms under their names in this torch (``*_single``; older releases only have ``*_tensor``)
@@ -183,18 +185,28 @@ def _chain(first: Callable[[], None], then: Optional[Callable[[], None]]) -> Cal
 
 
 class Handle:
-    """Outstanding collective work; ``wait()`` blocks until done and runs ``then`` once."""
+    """Outstanding collective work; ``wait()`` blocks until done and runs ``then`` once. With
+    ``watched`` (the collective's kind and the group's global ranks, on gloo), the wait is the
+    hang detection's (``health/watch.py``): in periods, judging the other ranks after each."""
 
-    def __init__(self, works: list, then: Optional[Callable[[], None]] = None) -> None:
+    def __init__(self, works: list, then: Optional[Callable[[], None]] = None,
+                 watched: Optional[tuple[str, list[int]]] = None) -> None:
         self._works = [w for w in works if w is not None]
         self._then = then
         self.done = False
+        self._watched = watched if self._works else None
+        if self._watched is not None:
+            health.progress.current.seq += 1
+            self._seq = health.progress.current.seq
 
     def wait(self) -> None:
         if self.done:
             return
         for w in self._works:
-            w.wait()
+            if self._watched is None:
+                w.wait()
+            else:
+                health.wait(w, self._watched[0], self._watched[1], self._seq)
         self.done = True
         then, self._then, self._works = self._then, None, []
         if then is not None:  # dropped first: what it holds (a gradient bucket) may be freed
@@ -207,8 +219,9 @@ class PendingInts:
     done, so neither the compute stream nor the host waits for them before ``result()``."""
 
     def __init__(self, work, out: Optional[torch.Tensor], keep: Optional[torch.Tensor] = None,
-                 values: Optional[list[list[int]]] = None) -> None:
+                 values: Optional[list[list[int]]] = None, watched: Optional[tuple[str, list[int]]] = None) -> None:
         self._work, self._out, self._event = work, out, None
+        self._watched = watched  # as Handle's
         self._keep = keep  # the input stays alive until the collective is done
         self._values = values  # known already (a group of one)
         if out is not None and out.is_cuda:
@@ -225,6 +238,9 @@ class PendingInts:
             if self._event is not None:
                 self._event.synchronize()
                 self._values = self._host.tolist()
+            elif self._watched is not None:
+                health.wait(self._work, *self._watched)
+                self._values = self._out.tolist()
             else:
                 self._work.wait()
                 self._values = self._out.tolist()
@@ -271,6 +287,7 @@ class Comm:
             self.global_ranks = [0]
         self.counter = counter if counter is not None else CommCounter()
         self.gloo = gloo_form() if self.backend == "gloo" else "tensor"
+        self.watched = False  # waits watched for hangs (health/): set by the engine, on gloo only
 
     @classmethod
     def alone(cls, label: str = "data", counter: Optional[CommCounter] = None) -> "Comm":
@@ -282,6 +299,7 @@ class Comm:
         comm.global_ranks = [dist.get_rank() if dist.is_available() and dist.is_initialized() else 0]
         comm.counter = counter if counter is not None else CommCounter()
         comm.gloo = "tensor"
+        comm.watched = False
         return comm
 
     def form(self) -> str:
@@ -303,10 +321,10 @@ class Comm:
         """Sum ``tensor`` in place over the group."""
         n = self.world_size
         if n == 1:
-            return self._finish(Handle([], then), async_op)
+            return self._finish(self._handle([], then), async_op)
         self.counter.add(kind, 2 * tensor.numel() * tensor.element_size() * (n - 1) / n, self.label)
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        return self._finish(Handle([work], then), async_op)
+        return self._finish(self._handle([work], then, "all_reduce"), async_op)
 
     def reduce_scatter_sum(self, full: torch.Tensor, async_op: bool = False,
                            then: Optional[Callable[[], None]] = None,
@@ -323,7 +341,7 @@ class Comm:
         if n == 1:
             if out is not None:
                 out.copy_(full)
-            return self._finish(Handle([], then), async_op)
+            return self._finish(self._handle([], then), async_op)
         self.counter.add("reduce_scatter", full.numel() * full.element_size() * (n - 1) / n, self.label)
         chunks = full.chunk(n)
         mine = chunks[self.rank]
@@ -357,10 +375,10 @@ class Comm:
         else:
             works = [_REDUCE_SCATTER(mine if out is None else out, full, op=dist.ReduceOp.SUM,
                                      group=self.group, async_op=True)]
-        return self._finish(Handle(works, then), async_op)
+        return self._finish(self._handle(works, then, "reduce_scatter"), async_op)
 
     def all_gather(self, full: torch.Tensor, async_op: bool = False,
-                   then: Optional[Callable[[], None]] = None) -> Handle:
+                   then: Optional[Callable[[], None]] = None, what: str = "") -> Handle:
         """Fill every chunk of ``full`` from the rank that owns it, in place.
 
         ``full`` is 1-D with a length divisible by the group size; chunk ``rank`` must
@@ -368,7 +386,7 @@ class Comm:
         """
         n = self.world_size
         if n == 1:
-            return self._finish(Handle([], then), async_op)
+            return self._finish(self._handle([], then), async_op)
         self.counter.add("all_gather", full.numel() * full.element_size() * (n - 1) / n, self.label)
         chunks = full.chunk(n)
         form = self.form()
@@ -386,7 +404,7 @@ class Comm:
                      for i, c in enumerate(chunks)]
         else:
             works = [_ALL_GATHER(full, chunks[self.rank], group=self.group, async_op=True)]
-        return self._finish(Handle(works, then), async_op)
+        return self._finish(self._handle(works, then, f"all_gather of {what}" if what else "all_gather"), async_op)
 
     def all_gather_ints(self, values: list[int], async_op: bool = False):
         """Every rank's short list of ints (same length on every rank), in rank order;
@@ -401,7 +419,9 @@ class Comm:
             out = torch.empty(self.world_size, mine.numel(), dtype=torch.int64, device=device)
             self.counter.add("control", mine.numel() * 8 * (self.world_size - 1), self.label)
             work = dist.all_gather(list(out.unbind(0)), mine, group=self.group, async_op=True)
-            pending = PendingInts(work, out, mine)
+            kind = f"an all_gather of ints on the {self.label} group"
+            pending = PendingInts(work, out, mine,
+                                  watched=(kind, self.global_ranks) if self.watched else None)
         return pending if async_op else pending.result()
 
     def all_gather_list(self, tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -434,6 +454,12 @@ class Comm:
         """Broadcast ``tensor`` from group rank ``src_rank`` (used at start-up, not counted)."""
         if self.world_size > 1:
             dist.broadcast(tensor, src=self.global_ranks[src_rank], group=self.group)
+
+    def _handle(self, works: list, then: Optional[Callable[[], None]] = None, kind: str = "") -> Handle:
+        """A handle on ``works``; where ``watched`` its wait is the hang detection's (``health``),
+        labelled with ``kind`` and this group's name."""
+        watched = (f"{kind} on the {self.label} group", self.global_ranks) if self.watched else None
+        return Handle(works, then, watched)
 
     @staticmethod
     def _finish(handle: Handle, async_op: bool) -> Handle:

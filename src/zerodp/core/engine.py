@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import health
 from ..config import Config, ConfigError, resolve_batch_sizes
 from ..offload import OptimizerOffload, ParamOffload, group_cap
 from ..parallel import TensorParallel, model_slices, replaced_parameters
@@ -148,6 +149,9 @@ class ZeroEngine(EngineAPI, nn.Module):
         self.replica_comm = self.grid.replica.comm(counter)
         self.grid_comm = self.grid.everyone.comm(counter, "grid")
         self.data_comm = self.grid.data.comm(counter)  # this pipeline stage's data-parallel ranks
+        self.health = health.Monitor(config.comms_timeout_s)  # a rank that stops answering is named
+        for c in (self.comm, self.replica_comm, self.grid_comm, self.data_comm):
+            c.watched = self.health.on and c.backend == "gloo"
         self.dp_world_size, self.dp_rank = self.grid.data.size, self.grid.data.rank
         # a model split over the grid's tensor axis: the batch check and the activations' bytes
         self.tensor_parallel: Optional[TensorParallel] = (TensorParallel(self.grid, model, counter)
@@ -317,13 +321,16 @@ class ZeroEngine(EngineAPI, nn.Module):
 
     @contextlib.contextmanager
     def _timed(self, name: str):
-        """Record the wall time of a phase when ``wall_clock_breakdown`` is on."""
+        """A phase of the step: where this rank is for the hang detection (``health``), and its
+        wall time when ``wall_clock_breakdown`` is on."""
         if not self.config.wall_clock_breakdown:
-            yield
+            with self.health.phase(name):
+                yield
             return
         synchronize(self.device)
         t0 = time.perf_counter()
-        yield
+        with self.health.phase(name):
+            yield
         synchronize(self.device)
         self._timings[name].append(time.perf_counter() - t0)
 
@@ -478,6 +485,7 @@ class ZeroEngine(EngineAPI, nn.Module):
             self._apply_update()
         self.global_steps += 1
         self.micro_steps = self.micro_steps + 1 if count_micro_step else self.global_steps * self._gas
+        self.health.stepped(self.global_steps, self.micro_steps)
         self.comm.counter.close_step()
         self._reduced_for_boundary = False
         if self.monitor is not None:
@@ -573,6 +581,7 @@ class ZeroEngine(EngineAPI, nn.Module):
     def destroy(self) -> None:
         """Wait for an asynchronous save in flight, remove the gradient hooks and close the
         metrics files (the model stays usable as a plain module)."""
+        self.health.close()
         if self._checkpointer is not None:
             self._checkpointer.release_staging()
         for h in self._hooks + self._unit_hooks:

@@ -132,8 +132,9 @@ class EngineAPI:
             self._checkpointer = Checkpointer(self.checkpoint_view())
         if async_save is None:
             async_save = self.config.checkpoint.async_save
-        return self._checkpointer.save(save_dir, tag, client_state, save_latest,
-                                       exclude_frozen_parameters, async_save)
+        with self.health.phase("save_checkpoint", str(save_dir)):
+            return self._checkpointer.save(save_dir, tag, client_state, save_latest,
+                                           exclude_frozen_parameters, async_save)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
@@ -143,10 +144,11 @@ class EngineAPI:
         ``(None, None)`` when there is no ``latest`` to follow. Every rank must call it."""
         self.wait_for_checkpoint()
         from ..checkpoint import load_checkpoint
-        return load_checkpoint(self.checkpoint_view(), load_dir, tag, load_module_strict=load_module_strict,
-                               load_optimizer_states=load_optimizer_states,
-                               load_lr_scheduler_states=load_lr_scheduler_states,
-                               load_module_only=load_module_only)
+        with self.health.phase("load_checkpoint", str(load_dir)):
+            return load_checkpoint(self.checkpoint_view(), load_dir, tag, load_module_strict=load_module_strict,
+                                   load_optimizer_states=load_optimizer_states,
+                                   load_lr_scheduler_states=load_lr_scheduler_states,
+                                   load_module_only=load_module_only)
 
     def wait_for_checkpoint(self) -> None:
         """Wait for an asynchronous save in flight; raise its error if it failed."""

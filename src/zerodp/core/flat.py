@@ -319,9 +319,10 @@ class FlatGroup:
             self._own_shard.copy_(self.shard_of(self.full))
             self._shard_in_full = False
 
-    def gather(self, comm, async_op: bool = False) -> None:
+    def gather(self, comm, async_op: bool = False, what: str = "") -> None:
         """Re-allocate the full buffer and all-gather every rank's shard into it; with
-        ``async_op`` (a prefetch) the transfer goes on until ``wait_gathered()``."""
+        ``async_op`` (a prefetch) the transfer goes on until ``wait_gathered()``. ``what``
+        names the unit, for the hang detection's messages."""
         if self.gathered:
             if not async_op:
                 self.wait_gathered()
@@ -341,7 +342,7 @@ class FlatGroup:
             self._shard_in_full = True
         else:
             self.shard_of(self.full).copy_(self._own_shard, non_blocking=True)  # from the host
-        self._pending = comm.all_gather(self.full, async_op=async_op)
+        self._pending = comm.all_gather(self.full, async_op=async_op, what=what)
         self._mark(ZeroParamStatus.AVAILABLE)
 
     def wait_gathered(self) -> None:
