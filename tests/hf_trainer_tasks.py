@@ -26,6 +26,8 @@ transformers initializes), e.g. ``z3-bf16-off``; ``-ckpt`` runs the checkpoint s
 (``run_checkpoint_case``), ``-lora`` a PEFT LoRA model (``run_lora_case``; with ``-pre`` made by
 ``get_peft_model`` on the loaded model, which at stage 3 is built in ``zero.Init``, as fine-tuning tools
 do; with ``-mts`` also PEFT's ``modules_to_save=["ln_f"]``, a trained copy of a base module);
+``-adalora`` a PEFT AdaLoRA model whose rank allocation (``update_and_allocate``, which under DeepSpeed reads
+gradients with ``deepspeed.utils.safe_get_full_grad``) runs after every backward (``run_adalora_case``);
 ``-qwen3moe`` and ``-mixtral`` train transformers' tiny Qwen3-MoE or Mixtral (router aux loss on) instead
 of GPT-2, at stage 3 with every module a unit, so the sparse MoE block must be a leaf (DeepSpeed's default
 leaf classes); ``-resize`` (with ``-pre``) calls ``resize_token_embeddings`` on the loaded model.
@@ -80,7 +82,7 @@ def ds_config(stage: int, offload: bool) -> dict:
 def parse(case: str) -> dict:
     head, *flags = case.split("-")
     unknown = set(flags) - {"bf16", "fp16", "ovf", "off", "gas2", "pre", "miss", "ckpt", "lora", "tp2", "half",
-                            "nodrop", "sp", "lp", "mics2", "gc", "mts", "qwen3moe", "mixtral", "resize"}
+                            "nodrop", "sp", "lp", "mics2", "gc", "mts", "qwen3moe", "mixtral", "resize", "adalora"}
     if unknown or not (head == "plain" or head in ("z0", "z1", "z2", "z3")):
         raise SystemExit(f"bad case {case!r}")
     ds = None if head == "plain" else ds_config(int(head[1]), "off" in flags)
@@ -97,7 +99,7 @@ def parse(case: str) -> dict:
             "dropout": not ({"tp2", "nodrop"} & set(flags)),
             "bf16": "bf16" in flags, "gas": 2 if "gas2" in flags else 1, "pre": "pre" in flags,
             "ckpt": "ckpt" in flags, "lora": "lora" in flags, "miss": "miss" in flags, "mts": "mts" in flags,
-            "kind": kind, "resize": "resize" in flags}
+            "kind": kind, "resize": "resize" in flags, "adalora": "adalora" in flags}
 
 
 def adapters_of(model) -> dict:
@@ -166,7 +168,57 @@ def make_trainer(case: str, out_dir: str, model: GPT2LMHeadModel | None = None) 
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj", "c_fc"],
                                                  lora_dropout=0.0, modules_to_save=["ln_f"] if spec["mts"] else None))
         ADAPTERS[case] = adapters_of(model)
+    if spec["adalora"]:
+        from peft import AdaLoraConfig, get_peft_model
+        torch.manual_seed(2)
+        model = get_peft_model(model, AdaLoraConfig(  # ranks pruned from 6 to 2 over the 3 steps
+            init_r=6, target_r=2, tinit=0, tfinal=1, deltaT=1, total_step=3, lora_alpha=8,
+            target_modules=["c_attn", "c_proj", "c_fc"], lora_dropout=0.0))
+        return AdaLoraTrainer(model=model, args=args, train_dataset=Tokens(48), eval_dataset=Tokens(8, offset=1000))
     return Trainer(model=model, args=args, train_dataset=Tokens(48), eval_dataset=Tokens(8, offset=1000))
+
+
+class AdaLoraTrainer(Trainer):
+    """Runs AdaLoRA's ``update_and_allocate`` where peft asks for it: after each backward, before the
+    optimizer step, since its importance scores read the gradients (``p.grad`` without DeepSpeed,
+    ``deepspeed.utils.safe_get_full_grad`` with it). Under DeepSpeed the engine steps inside
+    ``accelerator.backward``, so there the update goes between the engine's backward and step."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        accelerator = self.accelerator
+        plain = accelerator.backward
+
+        def backward(loss, **kwargs):
+            wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
+            if wrapped is None:
+                plain(loss, **kwargs)
+                self.update_ranks()
+                return
+            wrapped.engine.set_gradient_accumulation_boundary(accelerator.sync_gradients)
+            wrapped.engine.backward(loss, **kwargs)
+            self.update_ranks()
+            wrapped.engine.step()
+
+        accelerator.backward = backward
+        try:
+            return super().training_step(model, inputs, num_items_in_batch)
+        finally:
+            del accelerator.backward
+
+    def update_ranks(self) -> None:
+        """At stage 3 the adapters' values are gathered for it (peft reads and masks them whole),
+        rank 0's masked values kept; every rank computes the same masks from the same gradients."""
+        import contextlib
+
+        from transformers.integrations import is_deepspeed_zero3_enabled
+        lora = [p for n, p in self.model.named_parameters() if "lora_" in n]
+        if is_deepspeed_zero3_enabled():
+            import deepspeed  # zerodp under ZERODP_AS_DEEPSPEED=1
+            gathered = deepspeed.zero.GatheredParameters(lora, modifier_rank=0)
+        else:
+            gathered = contextlib.nullcontext()
+        with gathered:
+            self.model.base_model.update_and_allocate(self.state.global_step)
 
 
 PROMPT = [[1, 5, 9, 2]]
@@ -226,10 +278,25 @@ def run_lora_case(case: str, out_dir: str) -> dict:
     return result
 
 
+def run_adalora_case(case: str, out_dir: str) -> dict:
+    """PEFT AdaLoRA through the Trainer: train (the rank allocation reads the reduced gradients after
+    each backward), evaluate; the ranks it kept."""
+    trainer = make_trainer(case, out_dir)
+    trainer.train()
+    config = trainer.model.peft_config["default"]
+    result = {"loss": losses(trainer), "eval_after": trainer.evaluate()["eval_loss"],
+              "grad_norm": [float(h["grad_norm"]) for h in trainer.state.log_history if "grad_norm" in h],
+              "rank_pattern": {k: [bool(x) for x in v] for k, v in (config.rank_pattern or {}).items()}}
+    reset()
+    return result
+
+
 def run_case(case: str, out_dir: str) -> dict:
     print(f"case {case}", file=sys.stderr, flush=True)
     result = {}
     spec = parse(case)
+    if spec["adalora"]:
+        return run_adalora_case(case, out_dir)
     if spec["ckpt"]:
         return run_checkpoint_case(case, out_dir)
     if spec["lora"]:

@@ -22,6 +22,7 @@ BF16 = ["z0-bf16", "z1-bf16", "z2-bf16", "z3-bf16", "z1-bf16-off", "z2-bf16-off"
 PRETRAINED = ["z2-pre", "z3-pre", "z3-off-pre"]
 CHECKPOINTS = ["z2-ckpt", "z3-ckpt", "z3-off-ckpt"]
 LORA = ["plain-lora", "z3-lora"]
+ADALORA = ["plain-adalora", "z3-adalora"]
 PRE_LORA_REFERENCE = "plain-pre-lora"
 PRE_LORA = ["z2-pre-lora", "z3-pre-lora", "z3-off-pre-lora"]
 PRE_LORA_MTS = ["plain-pre-lora-mts", "z3-pre-lora-mts"]
@@ -30,7 +31,7 @@ MOE = ["plain-qwen3moe", "z2-qwen3moe", "z3-qwen3moe", "plain-mixtral", "z2-mixt
 FP16 = ["plain-fp16", "z2-fp16", "z3-fp16", "z3-fp16-ovf"]
 MISSING = ["plain-pre-miss", "z2-pre-miss", "z3-pre-miss"]
 CASES = ["plain", *FP32, "plain-gas2", *GAS, "plain-bf16", *BF16, *PRETRAINED, "z3-bf16-pre", *CHECKPOINTS, *LORA,
-         *FP16, *MISSING, PRE_LORA_REFERENCE, *PRE_LORA, *PRE_LORA_MTS, *MOE, *RESIZE]
+         *FP16, *MISSING, PRE_LORA_REFERENCE, *PRE_LORA, *PRE_LORA_MTS, *MOE, *RESIZE, *ADALORA]
 
 
 # 4 ranks: tensor parallelism over pairs, and the reference with one sample per device (the same 4 samples a step)
@@ -256,3 +257,15 @@ def test_peft_lora_with_autotp(tp_results, case):
     assert got["adapter_split"] and not want["adapter_split"]
     assert close(got["loss"], want["loss"], 1e-5) and close([got["eval_after"]], [want["eval_after"]], 1e-5)
     assert close([got["saved_eval"]], [got["eval_after"]], 1e-5)
+
+
+def test_peft_adalora_reads_reduced_gradients_at_stage_3(results):
+    """PEFT AdaLoRA's rank allocation reads each adapter's gradient after backward, under DeepSpeed
+    with ``deepspeed.utils.safe_get_full_grad`` (a collective at stage 3): it prunes the same ranks
+    as without DeepSpeed, and every step equals the plain Trainer's."""
+    got, want = results["z3-adalora"], results["plain-adalora"]
+    assert got["rank_pattern"] == want["rank_pattern"]
+    kept = [x for mask in got["rank_pattern"].values() for x in mask]
+    assert any(kept) and not all(kept)
+    assert close(got["loss"], want["loss"], 1e-5) and close(got["grad_norm"], want["grad_norm"], 1e-5)
+    assert close([got["eval_after"]], [want["eval_after"]], 1e-5)

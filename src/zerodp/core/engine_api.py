@@ -65,6 +65,13 @@ class EngineAPI:
     def zero_stage(self) -> int:
         return self.policy.stage
 
+    @property
+    def gradients_reduced(self) -> bool:
+        """Whether reduced gradients wait for the step: after the accumulation boundary's backward
+        (at stages 2-3 after any backward that reduced), until the step applies or drops them."""
+        return self._reduced_for_boundary or (not self.policy.full_gradient_buffer
+                                              and any(g.grad_shard is not None for g in self.trainable))
+
     def empty_partition_cache(self) -> None:
         """Free what the engine holds beyond its shards (DeepSpeed's name): stage 3 releases every
         gathered unit (units kept gathered after a forward whose backward never came, by

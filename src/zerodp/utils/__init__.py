@@ -8,13 +8,16 @@ from torch import nn
 
 from ..checkpoint.consolidate import get_fp32_state_dict_from_zero_checkpoint, load_state_dict_from_zero_checkpoint
 from ..core.leaves import is_leaf, mark_by_class, mark_by_name, set_leaf, z3_leaf_parameter
+from .tensor_fragment import *  # noqa: F403  (a parameter's gradient, master and optimizer state)
+from .tensor_fragment import __all__ as _PARAM_ACCESS
 
 #: DeepSpeed's ``deepspeed.utils.logger``: zerodp's own logger
 logger = logging.getLogger("zerodp")
 
 __all__ = ["logger", "get_fp32_state_dict_from_zero_checkpoint", "load_state_dict_from_zero_checkpoint",
            "set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_modules", "z3_leaf_module",
-           "set_z3_leaf_module", "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix", "z3_leaf_parameter"]
+           "set_z3_leaf_module", "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix", "z3_leaf_parameter",
+           *_PARAM_ACCESS]
 
 
 def set_z3_leaf_modules(model: nn.Module, leaf_module_classes: Iterable,
