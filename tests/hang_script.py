@@ -34,6 +34,8 @@ def main() -> None:
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    if place == "pipeline":
+        return pipeline(rank, stage, victim, out)
     torch.manual_seed(0)
     model = build_gpt("tiny", n_layer=3)
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
@@ -91,6 +93,28 @@ def main() -> None:
         (out / f"rank{rank}.json").write_text(json.dumps(report))
         raise
     (out / f"rank{rank}.json").write_text(json.dumps(report))
+
+
+def pipeline(rank: int, stage: int, victim: int, out: Path) -> None:
+    """Two pipeline stages (``pp_tasks``' model, 1F1B); the victim stops in a block's forward at
+    step 2, inside torch's schedule, whose sends and receives the engine's watchdog guards."""
+    import pp_tasks
+    config = pp_tasks.config(stage, 2, "1F1B")
+    config["comms_timeout_s"] = TIMEOUT_S
+    model = pp_tasks.build(2)
+    engine, *_ = zerodp.initialize(model=model, config=config)
+    current = [0]
+
+    def stop_here(*_) -> None:
+        if current[0] == 2:
+            os.kill(os.getpid(), signal.SIGSTOP)
+    for m in model.modules():
+        if isinstance(m, pp_tasks.Block) and rank == victim:
+            m.register_forward_pre_hook(stop_here)
+    for step in range(4):
+        current[0] = step
+        engine.train_batch(iter([pp_tasks.micro_batch(step, engine.dp_rank, m) for m in range(2)]))
+    (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "steps": 4, "error": None}))
 
 
 if __name__ == "__main__":

@@ -85,6 +85,17 @@ def test_four_ranks_one_stopped_in_backward(tmp_path):
     assert_named(out, 2, "backward")
 
 
+def test_a_rank_stopped_inside_a_pipeline_schedule(tmp_path):
+    """Two pipeline stages: the other stage waits in a receive inside torch's schedule, which cannot
+    be waited for in periods; the engine's watchdog thread names the stopped rank there and ends
+    the process (code 1) at once."""
+    out = run(tmp_path, 2, 1, "pipeline", victim=1)
+    got = out[0]
+    assert got["code"] == 1, got["log"]
+    assert "RankTimeoutError" in got["log"] and "the pipeline's sends and receives" in got["log"], got["log"]
+    assert "rank 1 (last seen at step 2, pipeline" in got["log"], got["log"]
+
+
 def test_a_slow_rank_is_not_called_hung(tmp_path):
     """The victim sleeps 3.5 timeouts in a forward: the others wait (and warn), everyone trains on."""
     out = run(tmp_path, 2, 3, "slow", victim=1)

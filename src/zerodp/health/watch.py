@@ -28,6 +28,7 @@ import contextlib
 import logging
 import os
 import sys
+import threading
 import time
 from datetime import timedelta
 from typing import Optional, Union
@@ -58,6 +59,7 @@ class RankTimeoutError(RuntimeError):
 
 
 _exit_registered = False
+_END = None  # the exit handler, once registered
 
 
 def _exit_at_once() -> None:
@@ -71,7 +73,7 @@ def _exit_at_once() -> None:
     hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and \
         dist.is_initialized() and dist.get_rank() == 0
 
-    def end() -> None:
+    def end() -> None:  # also called from guard()'s thread, which cannot raise into the main one
         if hosts_store:  # the job's store lives in this process: the others still read it to judge
             time.sleep(3 * progress.INTERVAL)
         logging.shutdown()
@@ -79,6 +81,8 @@ def _exit_at_once() -> None:
             with contextlib.suppress(Exception):
                 stream.flush()
         os._exit(1)
+    global _END
+    _END = end
     atexit.register(end)
 
 
@@ -136,18 +140,13 @@ class Watch:
         few beats ago (``first``): raise if it cannot finish (module docstring), else warn."""
         others = [r for r in ranks if r != self.rank]
         now = self.read(kind, seq, ranks, waited)
-        stopped = [r for r in others if first[r] is not None and now[r] is not None
-                   and first[r]["beat"] == now[r]["beat"]]
+        stopped = _stopped(others, first, now)
         waiting = [r for r in others if r not in stopped and now[r] is not None and now[r]["waiting"]]
         busy = [r for r in others if r not in stopped and r not in waiting]
         here = (f"rank {self.rank} waited {waited:.0f} s in {kind} #{seq} "
                 f"({progress.describe(progress.current.record(), waiting=False)})")
         if stopped:
-            names = "; ".join(f"rank {r} (last seen at {progress.describe(now[r])})" for r in stopped)
-            raise RankTimeoutError(
-                f"{here} for ranks that stopped answering: {names}. Their processes live but do not run "
-                "(no heartbeat for several seconds): stopped (SIGSTOP), frozen, swapped out, or stuck in a "
-                "driver or file-system call; see comms_timeout_s in docs/configuration.md")
+            raise RankTimeoutError(_stopped_message(here, stopped, now))
         late = [r for r in waiting if (now[r].get("wait_s") or 0.0) >= period]
         if not busy and late == waiting and waiting:
             names = "; ".join(f"rank {r}: {progress.describe(now[r])}" for r in waiting)
@@ -167,6 +166,62 @@ class Watch:
 
     def close(self) -> None:
         self.heartbeat.stop()
+
+
+def _stopped(others: list[int], first: dict, now: dict) -> list[int]:
+    """The ranks whose heartbeat did not advance between the two reads."""
+    return [r for r in others if first[r] is not None and now[r] is not None and first[r]["beat"] == now[r]["beat"]]
+
+
+def _stopped_message(here: str, stopped: list[int], now: dict) -> str:
+    names = "; ".join(f"rank {r} (last seen at {progress.describe(now[r])})" for r in stopped)
+    return (f"{here} for ranks that stopped answering: {names}. Their processes live but do not run "
+            "(no heartbeat for several seconds): stopped (SIGSTOP), frozen, swapped out, or stuck in a "
+            "driver or file-system call; see comms_timeout_s in docs/configuration.md")
+
+
+@contextlib.contextmanager
+def guard(kind: str, ranks: list[int]):
+    """Around waits that cannot be run in periods (a pipeline's sends and receives, which torch's
+    schedules issue and wait for themselves; on gloo a send or receive whose wait times out closes
+    its connection): a watchdog thread judges the other ``ranks`` each period while inside. One
+    that stopped answering is named (logged and on stderr) and this process ends at once (code 1),
+    since the main thread cannot be woken from its wait; torchrun then ends the job."""
+    watch = _watch
+    others = [r for r in ranks if watch is not None and r != watch.rank]
+    if not others:
+        yield
+        return
+    done = threading.Event()
+    started = time.monotonic()
+
+    def run() -> None:
+        while True:
+            if done.wait(watch.period()):
+                return
+            try:
+                first = progress.read(watch.store, others)
+                if done.wait(2.5 * watch.heartbeat.interval):
+                    return
+                now = progress.read(watch.store, others)
+            except progress.StoreGone:
+                return  # the store's host ended: so does the job
+            stopped = _stopped(others, first, now)
+            if stopped:
+                here = (f"rank {watch.rank} waited {time.monotonic() - started:.0f} s in {kind} "
+                        f"({progress.describe(progress.current.record(), waiting=False)})")
+                message = "zerodp.health.RankTimeoutError: " + _stopped_message(here, stopped, now)
+                logger.error(message)
+                print(message, file=sys.stderr, flush=True)
+                _exit_at_once()
+                _END()
+
+    thread = threading.Thread(target=run, name="zerodp-guard", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
 
 
 def _done_within(work, seconds: float) -> bool:

@@ -27,6 +27,7 @@ from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
+from .. import health
 from ..core.engine import ZeroEngine
 from .grid import Grid, _new_groups
 
@@ -151,7 +152,8 @@ class PipelineEngine(ZeroEngine):
         factor = self._loss_factor
         self.module.train()
         measure = _ActivationMeter() if self.global_steps == 0 else contextlib.nullcontext()
-        with self.no_sync(), self.parameters_held(), measure:
+        with self.no_sync(), self.parameters_held(), measure, self.health.phase("pipeline"), \
+                health.guard("the pipeline's sends and receives", self.grid_comm.global_ranks):
             if self.is_first_stage():
                 self._schedule.step(*args, target=target, losses=losses)
             else:
