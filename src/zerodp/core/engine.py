@@ -323,16 +323,15 @@ class ZeroEngine(EngineAPI, nn.Module):
     def _timed(self, name: str):
         """A phase of the step: where this rank is for the hang detection (``health``), and its
         wall time when ``wall_clock_breakdown`` is on."""
-        if not self.config.wall_clock_breakdown:
-            with self.health.phase(name):
-                yield
-            return
-        synchronize(self.device)
-        t0 = time.perf_counter()
+        timed = self.config.wall_clock_breakdown
+        if timed:
+            synchronize(self.device)
+            t0 = time.perf_counter()
         with self.health.phase(name):
             yield
-        synchronize(self.device)
-        self._timings[name].append(time.perf_counter() - t0)
+        if timed:
+            synchronize(self.device)
+            self._timings[name].append(time.perf_counter() - t0)
 
     def forward(self, *args, **kwargs):
         """The model's forward on inputs cast to the compute dtype; at stage 3 the model's own

@@ -10,6 +10,6 @@ The engine's interface: ``Monitor(config.comms_timeout_s)``, its ``phase(name)``
 ``wait(work, kind, ranks, seq)`` and count their issues on ``progress.current``.
 """
 from . import progress
-from .watch import Monitor, RankTimeoutError, StoreWait, active, guard, wait
+from .watch import Monitor, RankTimeoutError, StoreWait, guard, wait
 
-__all__ = ["Monitor", "RankTimeoutError", "StoreWait", "active", "guard", "progress", "wait"]
+__all__ = ["Monitor", "RankTimeoutError", "StoreWait", "guard", "progress", "wait"]

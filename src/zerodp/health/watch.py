@@ -58,22 +58,20 @@ class RankTimeoutError(RuntimeError):
         _exit_at_once()
 
 
-_exit_registered = False
 _END = None  # the exit handler, once registered
 
 
-def _exit_at_once() -> None:
+def _exit_at_once():
     """At interpreter exit, flush and end the process (code 1) before anything waits for the
-    abandoned collective; registered last, so it runs before earlier exit handlers."""
-    global _exit_registered
-    if _exit_registered:
-        return
-    _exit_registered = True
-
+    abandoned collective; registered last, so it runs before earlier exit handlers. Returns the
+    handler (guard()'s thread calls it at once: it cannot raise into the main thread)."""
+    global _END
+    if _END is not None:
+        return _END
     hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and \
         dist.is_initialized() and dist.get_rank() == 0
 
-    def end() -> None:  # also called from guard()'s thread, which cannot raise into the main one
+    def end() -> None:
         if hosts_store:  # the job's store lives in this process: the others still read it to judge
             time.sleep(3 * progress.INTERVAL)
         logging.shutdown()
@@ -81,9 +79,15 @@ def _exit_at_once() -> None:
             with contextlib.suppress(Exception):
                 stream.flush()
         os._exit(1)
-    global _END
     _END = end
     atexit.register(end)
+    return end
+
+
+def _here(rank: int, waited: float, kind: str) -> str:
+    """``rank 0 waited 4 s in <kind> (step 2, backward)``: where this rank waits, for the errors."""
+    return (f"rank {rank} waited {waited:.0f} s in {kind} "
+            f"({progress.describe(progress.current.record(), waiting=False)})")
 
 
 class Watch:
@@ -129,10 +133,8 @@ class Watch:
             return progress.read(self.store, [r for r in ranks if r != self.rank])
         except progress.StoreGone as e:
             raise RankTimeoutError(
-                f"rank {self.rank} waited {waited:.0f} s in {kind} #{seq} "
-                f"({progress.describe(progress.current.record(), waiting=False)}), and the job's store does "
-                f"not answer ({e}): the process serving it (rank 0, or torchrun's agent) has ended or "
-                "stopped") from None
+                f"{_here(self.rank, waited, f'{kind} #{seq}')}, and the job's store does not answer ({e}): "
+                "the process serving it (rank 0, or torchrun's agent) has ended or stopped") from None
 
     def judge(self, kind: str, seq: int, ranks: list[int], waited: float, period: float,
               first: dict[int, Optional[dict]]) -> None:
@@ -143,8 +145,7 @@ class Watch:
         stopped = _stopped(others, first, now)
         waiting = [r for r in others if r not in stopped and now[r] is not None and now[r]["waiting"]]
         busy = [r for r in others if r not in stopped and r not in waiting]
-        here = (f"rank {self.rank} waited {waited:.0f} s in {kind} #{seq} "
-                f"({progress.describe(progress.current.record(), waiting=False)})")
+        here = _here(self.rank, waited, f"{kind} #{seq}")
         if stopped:
             raise RankTimeoutError(_stopped_message(here, stopped, now))
         late = [r for r in waiting if (now[r].get("wait_s") or 0.0) >= period]
@@ -208,13 +209,11 @@ def guard(kind: str, ranks: list[int]):
                 return  # the store's host ended: so does the job
             stopped = _stopped(others, first, now)
             if stopped:
-                here = (f"rank {watch.rank} waited {time.monotonic() - started:.0f} s in {kind} "
-                        f"({progress.describe(progress.current.record(), waiting=False)})")
+                here = _here(watch.rank, time.monotonic() - started, kind)
                 message = "zerodp.health.RankTimeoutError: " + _stopped_message(here, stopped, now)
                 logger.error(message)
                 print(message, file=sys.stderr, flush=True)
-                _exit_at_once()
-                _END()
+                _exit_at_once()()
 
     thread = threading.Thread(target=run, name="zerodp-guard", daemon=True)
     thread.start()
@@ -237,11 +236,6 @@ def _done_within(work, seconds: float) -> bool:
 
 _watch: Optional[Watch] = None
 _users = 0
-
-
-def active() -> Optional[Watch]:
-    """The process's watch, if an engine started one."""
-    return _watch
 
 
 def wait(work, kind: str, ranks: list[int], seq: Optional[int] = None) -> None:
