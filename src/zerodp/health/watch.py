@@ -275,8 +275,8 @@ class Monitor:
         self.on = False
         self._last = None
         store = progress.default_store()
-        if setting == "off" or store is None or dist.get_world_size() == 1:
-            return
+        if setting == "off" or store is None or dist.get_world_size() == 1 or dist.get_backend() == "fake":
+            return  # (a fake group, ``zerodp simulate``'s, has no other ranks to watch)
         if _watch is None:
             _watch = Watch(setting, store, dist.get_rank())
         else:

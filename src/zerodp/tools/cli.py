@@ -277,7 +277,23 @@ COMMANDS: dict[str, Command] = {
         add_arguments=_estimate_add_arguments,
         run=_run_estimate,
     ),
+    "simulate": Command(
+        help="run one rank of an N-rank job in this process (a fake process group) and measure it",
+        description=(
+            "Play rank r of N with torch's fake process group: collectives return at once, every "
+            "allocation is real. Builds the model as that rank would (stage 3: only its shard, one unit "
+            "at a time), runs the engine for --steps optimizer steps on a tiny batch and prints the "
+            "last one's memory by category, its peak, and the collectives and bytes per step, beside "
+            "'zerodp estimate' for the same job."),
+        add_arguments=lambda p: _simulate().add_arguments(p),
+        run=lambda a: _simulate().run(a),
+    ),
 }
+
+
+def _simulate():
+    from .simulate import command
+    return command
 
 
 def build_parser() -> argparse.ArgumentParser:

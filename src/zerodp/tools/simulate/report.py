@@ -1,0 +1,54 @@
+"""``zerodp simulate``'s table: the simulated rank's figures beside ``zerodp estimate``'s."""
+from __future__ import annotations
+
+from typing import Optional
+
+from ..estimate.inputs import _num
+from .run import Simulation
+
+__all__ = ["format_simulation", "ROWS"]
+
+#: (label, simulated category, estimated category)
+ROWS = [("parameters", "parameters", "parameters"),
+        ("gradients", "gradients", "gradients"),
+        ("master weights", "master_weights", "master_weights"),
+        ("optimizer states", "optimizer_states", "optimizer_states"),
+        ("model states", "model_states", "model_states"),
+        ("gradient buckets (peak)", "gradient_buckets_peak", "gradient_buckets"),
+        ("gathered parameters (peak)", "gathered_parameters_peak", "gathered_parameters"),
+        ("peak, all allocations", "peak", "device_total")]
+
+
+def _mib(n: Optional[int]) -> str:
+    return "-" if n is None else f"{n / 2**20:,.1f}"
+
+
+def _diff(sim: int, est: Optional[int]) -> str:
+    if not est:
+        return "-" if est is None or sim == 0 else "new"
+    return f"{(sim - est) / est * 100:+.1f}%"
+
+
+def format_simulation(s: Simulation) -> str:
+    d = s.to_dict()
+    lines = [f"zerodp simulate: rank {s.rank} of {s.world} (data {s.dp} x tensor {s.tp} x pipeline {s.pp}), "
+             f"stage {s.stage}, {s.precision}, offload {s.offload}, micro-batch {s.micro_batch} x {s.seq} tokens",
+             f"model: {s.model}: {_num(s.params)} parameter elements on this rank before ZeRO sharding",
+             "",
+             f"{'MiB per rank':<28}{'simulated':>14}{'estimated':>14}{'diff':>9}"]
+    for label, mine, theirs in ROWS:
+        lines.append(f"{label:<28}{_mib(d[mine]):>14}{_mib(s.estimated.get(theirs)):>14}"
+                     f"{_diff(d[mine], s.estimated.get(theirs)):>9}")
+    if s.device_peak is not None:
+        lines.append(f"{'peak, CUDA allocator':<28}{_mib(s.device_peak):>14}")
+    if s.offload != "none":
+        lines.append(f"{'host (offload)':<28}{_mib(s.categories.get('model_states_on_host')):>14}"
+                     f"{_mib(s.estimated.get('cpu')):>14}")
+    lines += ["", f"collectives per step: {s.collectives_per_step}, {s.bytes_per_step / 2**20:,.1f} MiB sent by "
+                  "this rank (ring-algorithm bytes)"]
+    for group, kinds in s.collectives.items():
+        parts = ", ".join(f"{k} {v / 2**20:,.1f} MiB" for k, v in kinds.items() if k not in ("total", "calls") and v)
+        lines.append(f"  {group:<8} {kinds.get('calls', 0):>5} calls  {parts}")
+    lines += ["", f"estimated activations {_mib(s.estimated.get('activations'))} MiB (in 'peak' above); "
+                  f"the simulation took {s.seconds:.1f} s"]
+    return "\n".join(lines)

@@ -1,0 +1,218 @@
+"""One simulated step: the fake group, the engine, the batch, the measurements, the estimate."""
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..estimate import EstimateError, estimate
+from .build import ModelSpec, build_model, no_initialization
+from .tracker import PeakMemory, device_peak
+
+__all__ = ["Simulation", "simulate", "OFFLOADS", "PRECISIONS"]
+
+OFFLOADS = ("none", "optimizer", "optimizer+params")
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+MODEL_STATES = ("parameters", "gradients", "master_weights", "optimizer_states")
+
+
+@dataclass
+class Simulation:
+    """What one rank of the simulated job held and moved in one optimizer step (bytes)."""
+
+    model: str
+    world: int
+    rank: int
+    stage: int
+    tp: int
+    pp: int
+    dp: int
+    precision: str
+    offload: str
+    micro_batch: int
+    seq: int
+    params: int
+    """Parameter elements this rank's model has (its tensor slice and pipeline stage), before sharding."""
+    categories: dict[str, int]
+    """``engine.memory_breakdown()`` after the step: model states, and the peaks of buffers."""
+    peak: int
+    """The most bytes allocated on the compute device at once during the measured (last) step."""
+    at_start: int
+    """Bytes allocated on the compute device when the measured step began."""
+    collectives: dict[str, dict]
+    """Per process group: bytes by kind, ``total`` and ``calls`` (collectives issued)."""
+    estimated: dict[str, Optional[int]]
+    """``zerodp estimate``'s row for the same job: the same categories, ``model_states``, ``device_total``."""
+    seconds: float
+    device_peak: Optional[int] = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def model_states(self) -> int:
+        return sum(self.categories.get(k, 0) for k in MODEL_STATES)
+
+    @property
+    def collectives_per_step(self) -> int:
+        return sum(g.get("calls", 0) for g in self.collectives.values())
+
+    @property
+    def bytes_per_step(self) -> int:
+        return sum(g.get("total", 0) for g in self.collectives.values())
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.update(model_states=self.model_states, collectives_per_step=self.collectives_per_step,
+                   bytes_per_step=self.bytes_per_step, units="bytes")
+        out.update({k: self.categories.get(k, 0) for k in (*MODEL_STATES, "gradient_buckets_peak",
+                                                            "gathered_parameters_peak")})
+        return out
+
+
+def _fake_world(world: int, rank: int) -> None:
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+    if dist.is_initialized():
+        raise EstimateError("world", "a process group is already started in this process; the simulation "
+                                     "starts its own fake one (run it in a process of its own)")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+
+
+def _config(stage: int, tp: int, precision: str, offload: str, micro_batch: int, accumulation: int,
+            base: Optional[dict]) -> dict:
+    cfg = dict(base or {})
+    cfg["train_micro_batch_size_per_gpu"] = micro_batch
+    cfg.pop("train_batch_size", None)
+    cfg["gradient_accumulation_steps"] = accumulation
+    cfg.setdefault("optimizer", {"type": "AdamW", "params": {"lr": 1e-4}})
+    zo = dict(cfg.get("zero_optimization") or {})
+    zo["stage"] = stage
+    if offload in ("optimizer", "optimizer+params"):
+        zo.setdefault("offload_optimizer", {"device": "cpu"})
+    if offload == "optimizer+params":
+        zo.setdefault("offload_param", {"device": "cpu"})
+    cfg["zero_optimization"] = zo
+    for key in ("bf16", "fp16"):
+        cfg[key] = {**(cfg.get(key) or {}), "enabled": precision == key}
+    if tp > 1:
+        cfg["tensor_parallel"] = {**(cfg.get("tensor_parallel") or {}), "autotp_size": tp}
+    return cfg
+
+
+def _vocab(model: nn.Module) -> int:
+    config = getattr(model, "config", None)
+    for name in ("vocab_size",):
+        if config is not None and isinstance(getattr(config, name, None), int):
+            return getattr(config, name)
+    emb = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    return emb[0].num_embeddings if emb else 2
+
+
+def _loss_of(out: Any) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out if out.dim() == 0 else out.float().mean()
+    if getattr(out, "loss", None) is not None:
+        return out.loss
+    if isinstance(out, (tuple, list)):
+        scalars = [t for t in out if isinstance(t, torch.Tensor) and t.dim() == 0]
+        if scalars:
+            return scalars[0]
+        return out[0].float().mean()
+    raise EstimateError("model", f"the model's forward returned a {type(out).__name__}; the simulation needs a "
+                                 "loss (a scalar tensor, a tuple holding one, or an output with .loss)")
+
+
+def _step(engine, model: nn.Module, ids: torch.Tensor) -> None:
+    if hasattr(engine, "train_batch"):  # a pipeline: one micro-batch per accumulation step
+        engine.train_batch(iter([(ids, ids)] * engine.gradient_accumulation_steps()))
+        return
+    for _ in range(engine.gradient_accumulation_steps()):
+        if getattr(model, "config", None) is not None and hasattr(model, "generation_config"):
+            loss = _loss_of(engine(input_ids=ids, labels=ids))  # a transformers causal LM
+        else:
+            loss = _loss_of(engine(ids, ids))
+        engine.backward(loss)
+    engine.step()
+
+
+def simulate(model: str, *, world: int, stage: int, rank: int = 0, tp: int = 1, pp: int = 1,
+             precision: str = "bf16", offload: str = "none", micro_batch: int = 1, seq: int = 128,
+             model_kwargs: Optional[dict] = None, config: Optional[dict] = None, steps: int = 2,
+             accumulation: Optional[int] = None,
+             progress: Optional[Callable[[str], None]] = None) -> Simulation:
+    """Run one optimizer step of ``model`` as rank ``rank`` of ``world`` over a fake process group
+    (in this process, which must not have started one) and measure it; see the package docstring."""
+    say = progress or (lambda _m: None)
+    if precision not in PRECISIONS:
+        raise EstimateError("precision", f"{precision!r}; allowed: {', '.join(PRECISIONS)}")
+    if offload not in OFFLOADS:
+        raise EstimateError("offload", f"{offload!r}; allowed: {', '.join(OFFLOADS)}")
+    if stage not in (0, 1, 2, 3):
+        raise EstimateError("stage", f"{stage}; allowed: 0, 1, 2, 3")
+    if offload == "optimizer+params" and stage != 3:
+        raise EstimateError("offload", "optimizer+params offloads parameters, which only stage 3 shards")
+    if steps < 1:
+        raise EstimateError("steps", f"{steps}; at least 1 (the last one is measured)")
+    if world < 1 or not 0 <= rank < world:
+        raise EstimateError("rank", f"{rank} is not a rank of a world of {world}")
+    if pp > 1:
+        raise EstimateError("pp", "pipeline stages cannot be simulated: torch's pipeline stages exchange their "
+                                  "tensors' shapes with send_object_list/recv_object_list at the first step, "
+                                  "which a fake process group cannot answer (use zerodp estimate --pp)")
+    if world % (tp * pp):
+        raise EstimateError("tp", f"tensor {tp} x pipeline {pp} does not divide the {world} ranks")
+    spec = ModelSpec(model, model_kwargs)
+    est = estimate(model, model_kwargs=model_kwargs, ranks_per_node=world, precision=precision, tp=tp, pp=pp,
+                   micro_batch=micro_batch, seq_len=seq)
+    row = est.row(stage, offload)
+    import zerodp
+
+    from ...core import device as devices
+    from ...core.flat import local_tensor
+    from ...parallel import build_grid
+
+    gc.collect()  # what an earlier simulation in this process left must not count in this one
+    _fake_world(world, rank)
+    dev = devices.default_device()
+    accumulation = accumulation or max(pp, int((config or {}).get("gradient_accumulation_steps", 1)))
+    cfg = _config(stage, tp, precision, offload, micro_batch, accumulation, config)
+    say(f"building rank {rank} of {world}'s model")
+    t0 = time.perf_counter()
+    grid = build_grid(tp_size=tp, source="config") if tp > 1 else None
+    built = build_model(spec, stage=stage, tp=tp, dtype=PRECISIONS[precision], device=dev, grid=grid)
+    params = sum(local_tensor(p).numel() for p in built.parameters())
+    say("initialize (stage 3: one unit at a time)")
+    with no_initialization(built):
+        engine, _, _, _ = zerodp.initialize(model=built, config=cfg, param_init_fn=_no_init)
+    ids = torch.randint(0, _vocab(built), (micro_batch, seq), device=dev)
+    for i in range(steps - 1):
+        say(f"step {i + 1} of {steps} (not measured: it creates the optimizer states and records the "
+            "order of units that later steps prefetch in)")
+        _step(engine, built, ids)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    say(f"step {steps} of {steps}, measured")
+    with PeakMemory(dev.type) as meter:
+        _step(engine, built, ids)
+    seconds = time.perf_counter() - t0
+    categories = engine.memory_breakdown()
+    stats = engine.comm_stats(by_group=True)
+    estimated = {k: getattr(row, k) for k in (*MODEL_STATES, "gradient_buckets", "gathered_parameters",
+                                               "activations", "cpu")}
+    estimated.update(model_states=row.model_states, device_total=row.device_total)
+    notes = list(est.notes)
+    sim = Simulation(model, world, rank, stage, tp, pp, world // (tp * pp), precision, offload, micro_batch, seq,
+                     params, categories, meter.peak, meter.start, stats, estimated, seconds,
+                     device_peak(dev), notes)
+    engine.destroy()
+    dist.destroy_process_group()
+    del engine, built
+    gc.collect()
+    return sim
+
+
+def _no_init(module: nn.Module) -> None:
+    """``param_init_fn``: nothing (the values stay zeros), instead of a model's ``_init_weights``."""

@@ -1,0 +1,101 @@
+"""``zerodp simulate``: one rank of N run in this machine's memory over a fake process group.
+
+The simulated rank runs zerodp's own engine; its ledger must show the ZeRO accounting (16Ψ/N at
+stage 3 with bf16 AdamW, the padding aside), agree with ``zerodp estimate`` to within 1% on model
+states, stay under the estimate's bounds for buffers and the peak, and issue the same number of
+collectives per step whatever N.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
+         "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": 3,
+         "vocab_size": 512, "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+STATES = ("parameters", "gradients", "master_weights", "optimizer_states")
+
+
+def _run(jobs: list[dict]) -> list[dict]:
+    out = subprocess.run([sys.executable, os.path.join(HERE, "simulate_script.py"), json.dumps(jobs)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama") / "config.json"
+    path.write_text(json.dumps(LLAMA))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def stage3(llama):
+    return _run([{"model": llama, "world": n, "stage": 3, "seq": 16} for n in (8, 64, 1024)]
+                + [{"model": llama, "world": 64, "stage": 3, "seq": 16, "tp": 4}])
+
+
+def test_stage3_model_states_are_16_psi_over_n(stage3):
+    for r in stage3[:3]:
+        psi, n = r["params"], r["world"]
+        assert r["params"] == stage3[0]["params"] > 0
+        # bf16 params 2 + grads 2 + fp32 master 4 + Adam m, v 8, each a 1/N shard (plus padding:
+        # under 16 bytes per flat group and kind)
+        assert 16 * psi / n <= r["model_states"] <= 16 * psi / n + 64 * 16 * 4, r
+        assert r["parameters"] * 4 == r["optimizer_states"] and r["master_weights"] * 2 == r["optimizer_states"]
+
+
+def test_stage3_agrees_with_the_estimate(stage3):
+    for r in stage3:
+        est = r["estimated"]
+        for k in STATES:
+            assert abs(r[k] - est[k]) <= 0.01 * est[k] + 1024, (r["world"], r["tp"], k, r[k], est[k])
+        assert abs(r["model_states"] - est["model_states"]) <= 0.01 * est["model_states"] + 4096
+        # the estimate's buffers are bounds: every bucket in flight, every prefetched unit at once
+        padding = r["world"] * 16 * 32  # gathered buffers hold N padded shards (estimate: unpadded)
+        assert 0 < r["gathered_parameters_peak"] <= est["gathered_parameters"] + padding, r
+        assert 0 < r["gradient_buckets_peak"] <= est["gradient_buckets"] + padding, r
+        # the peak: what the estimate counts, less the bounds' slack, plus temporaries it leaves out
+        # (the fp32 loss, the optimizer's and the norm's scratch: a few % of a model this small)
+        assert r["model_states"] + r["gathered_parameters_peak"] <= r["peak"] <= 1.1 * est["device_total"], r
+
+
+def test_collectives_per_step_do_not_grow_with_n(stage3):
+    calls = {r["world"]: r["collectives_per_step"] for r in stage3[:3]}
+    assert len(set(calls.values())) == 1 and calls[8] > 0, calls
+    per_group = {r["world"]: r["collectives"]["data"]["calls"] for r in stage3[:3]}
+    assert len(set(per_group.values())) == 1, per_group
+    # ring bytes per rank: B(N-1)/N per all-gather/reduce-scatter, so nearly flat in N
+    sent = [r["bytes_per_step"] for r in stage3[:3]]
+    assert sent[0] < sent[1] < sent[2] < 1.25 * sent[0], sent  # (N grows 128x; padding grows with N)
+
+
+def test_tensor_parallel_grid(stage3):
+    r = stage3[3]
+    assert (r["tp"], r["dp"]) == (4, 16)
+    assert r["params"] < stage3[1]["params"]  # this rank holds its tensor slice
+    assert r["collectives"]["tensor"]["calls"] > 0 and r["collectives"]["data"]["calls"] > 0
+
+
+def test_stages_1_and_2(llama):
+    runs = _run([{"model": llama, "world": 8, "stage": s, "seq": 16} for s in (1, 2)])
+    for r in runs:
+        for k in STATES:
+            assert abs(r[k] - r["estimated"][k]) <= 0.01 * r["estimated"][k] + 1024, (r["stage"], k)
+        assert r["model_states"] < r["peak"] <= 1.1 * r["estimated"]["device_total"], r
+    one, two = runs
+    assert abs(one["gradients"] - 8 * two["gradients"]) <= 1024, (one["gradients"], two["gradients"])  # 2Ψ vs 2Ψ/N
+
+
+def test_cli(llama):
+    out = subprocess.run([sys.executable, "-m", "zerodp.tools.cli", "simulate", "--model", llama, "--world", "16",
+                          "--stage", "3", "--seq", "8", "--steps", "1"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "rank 0 of 16" in out.stdout and "model states" in out.stdout and "collectives per step" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "zerodp.tools.cli", "simulate", "--model", llama, "--world", "16",
+                          "--stage", "3", "--pp", "2"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "--pp" in bad.stderr and "Traceback" not in bad.stderr
