@@ -98,7 +98,7 @@ def _build(system: str, args: argparse.Namespace, device, world: int) -> dict:
         return loss
     return {"step": step, "model_state_bytes": lambda: engine.memory_breakdown()["model_states"],
             "comm_bytes": lambda: engine.comm_stats()["total"],
-            "gather_wait_s": lambda: engine.prefetcher.gather_wait_s if stage == 3 else 0.0}
+            "gather_wait_s": lambda: engine.sharded.gather_wait_s if stage == 3 else 0.0}
 
 
 def _worker(args: argparse.Namespace) -> None:

@@ -145,4 +145,4 @@ def train_task(group, spec: dict) -> dict:
         final = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     engine.destroy()
     return {"params": final, "norms": norms, "losses": losses, "global_steps": engine.global_steps,
-            "units": [u.name for u in engine.units], "gathered_at_rest": at_rest}
+            "units": [u.name for u in engine.sharded.units] if engine.sharded else [], "gathered_at_rest": at_rest}

@@ -94,7 +94,7 @@ def gated_train(group, steps: int) -> dict:
         engine.step()
     with zerodp.GatheredParameters(list(engine.module.parameters())):
         out = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-    units = [u.name for u in engine.units]
+    units = [u.name for u in engine.sharded.units]
     engine.destroy()
     return {"params": out, "units": units}
 
@@ -124,15 +124,15 @@ def prefetch_task(group, prefetch: int, reuse: int = 0) -> dict:
     def look(module, args):
         held.append(sum(g._own_shard.untyped_storage().nbytes() for g in engine.flat_groups
                         if g.gathered))
-    hooks = [u.module.register_forward_pre_hook(look) for u in engine.units[1:]]
+    hooks = [u.module.register_forward_pre_hook(look) for u in engine.sharded.units[1:]]
     # non-root units gathered while the first unit of backward (the last of forward) computes
     first_backward: list[int] = []
-    hooks.append(engine.units[-1].module.register_full_backward_hook(
-        lambda m, gin, gout: first_backward.append(sum(u.gathered for u in engine.units[1:]))))
+    hooks.append(engine.sharded.units[-1].module.register_full_backward_hook(
+        lambda m, gin, gout: first_backward.append(sum(u.gathered for u in engine.sharded.units[1:]))))
     # whether the first unit is on its way when the model's forward begins (after the engine's hook)
     first_unit_at_start: list[bool] = []
     hooks.append(engine.module.register_forward_pre_hook(
-        lambda m, args: first_unit_at_start.append(engine.units[1].gathered)))
+        lambda m, args: first_unit_at_start.append(engine.sharded.units[1].gathered)))
     for step in range(3):
         x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank))
         engine.backward(engine(x).pow(2).mean())
@@ -140,13 +140,13 @@ def prefetch_task(group, prefetch: int, reuse: int = 0) -> dict:
     for h in hooks:
         h.remove()
     mem = engine.memory_breakdown()
-    unit_bytes = engine.units[1].numel * 4
+    unit_bytes = engine.sharded.units[1].numel * 4
     shards_back = all(g._own_shard.untyped_storage().nbytes() == g.shard_numel * 4 for g in engine.flat_groups)
     with zerodp.GatheredParameters(list(engine.module.parameters())):
         params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     engine.destroy()
     return {"peak": mem["gathered_parameters_peak"], "unit_bytes": unit_bytes, "params": params,
-            "units": len(engine.units), "order": engine.prefetcher.order,
+            "units": len(engine.sharded.units), "order": engine.sharded.prefetcher.order,
             "all_gather": engine.comm_stats()["all_gather"], "shard_bytes_while_gathered": max(held),
             "shards_back": shards_back, "gathered_in_first_backward_unit": first_backward[-1],
             "first_unit_at_start": first_unit_at_start}
@@ -177,7 +177,7 @@ def collective_order_task(group) -> list:
         Comm.all_gather, Comm.reduce_scatter_sum = original
     engine.destroy()
     # a reduce-scatter's bucket is new each time: name it by the unit whose backward launched it
-    backward, done = [], iter(reversed(range(1, len(engine.units))))
+    backward, done = [], iter(reversed(range(1, len(engine.sharded.units))))
     for kind, key in events[launched:]:
         backward.append(("ag", unit_of[key]) if kind == "ag" else ("rs", next(done)))
     return [("ag", unit_of[key]) for _, key in events[:launched]] + backward
@@ -220,7 +220,7 @@ def reorder_task(group, steps: int) -> dict:
         engine.step()
     with zerodp.GatheredParameters(list(engine.module.parameters())):
         params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-    rerecords = engine.prefetcher.rerecords
+    rerecords = engine.sharded.prefetcher.rerecords
     engine.destroy()
     return {"params": params, "rerecords": rerecords}
 
@@ -231,11 +231,11 @@ def agreement_task(group, prefetch: int) -> list[int]:
     engine, _, _, _ = zerodp.initialize(model=deep_net(), config=_stage3_config(prefetch), process_group=group)
     meetings = []
     for step in range(3):
-        before = engine.prefetcher.agreement.meetings
+        before = engine.sharded.prefetcher.agreement.meetings
         x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
         engine.backward(engine(x).pow(2).mean())
         engine.step()
-        meetings.append(engine.prefetcher.agreement.meetings - before)
+        meetings.append(engine.sharded.prefetcher.agreement.meetings - before)
     engine.destroy()
     return meetings
 
@@ -312,7 +312,7 @@ def meta_init_task(group, precision: str = "fp32") -> dict:
     engine, _, _, _ = zerodp.initialize(model=model, config=cfg, process_group=group,
                                         unit_classes=(Block,), param_init_fn=GPT._init_weights)
     init_peak = engine.memory_breakdown()["gathered_parameters_peak"]
-    unit_bytes = max(u.numel for u in engine.units) * width
+    unit_bytes = max(u.numel for u in engine.sharded.units) * width
     x = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(rank))
     losses = []
     for _ in range(6):  # the same batch: the loss must fall

@@ -206,10 +206,16 @@ def test_nothing_outside_core_reads_the_engines_or_reducers_private_members():
     for rel, classes in PRIVATE_OWNERS.items():
         names |= private_members(pkg / rel, classes)
     assert {"_checkpointer", "_apply_update"} <= names, "the collector misses the engine's private members"
-    found = [f"{path.relative_to(SRC)}:{line}: {text}"
-             for path in sorted(pkg.rglob("*.py")) if "core" not in path.relative_to(pkg).parts
-             for line, text in private_reads(path, names)]
+    found = findings(lambda path: private_reads(path, names), lambda rel: "core" in rel.split("/"))
     assert not found, "\n".join(found)
+
+
+def findings(check, skip) -> list[str]:
+    """``file:line: text`` of ``check(path)`` over the package's files whose path relative to the
+    package (``core/engine.py``) ``skip`` does not exclude."""
+    pkg = SRC / PACKAGE
+    return [f"{path.relative_to(SRC)}:{line}: {text}" for path in sorted(pkg.rglob("*.py"))
+            if not skip(path.relative_to(pkg).as_posix()) for line, text in check(path)]
 
 
 def test_the_private_read_checker_sees_reads_and_not_own_members(tmp_path):
@@ -222,3 +228,34 @@ def test_the_private_read_checker_sees_reads_and_not_own_members(tmp_path):
     reader.write_text("def f(engine):\n    engine._step()\n    return self._state, engine.public\n",
                       encoding="utf-8")
     assert private_reads(reader, names) == [(2, "engine._step")]
+
+
+#: A stage-3 unit's state, which only the stage-3 object and the unit's own module change.
+UNIT_STATE = {"pins", "pending_backward", "held", "in_backward", "suspended"}
+UNIT_STATE_OWNERS = {"core/gather.py", "core/sharded.py"}
+
+
+def state_writes(path: Path, names: set[str]) -> list[tuple[int, str]]:
+    """``(line, text)`` for each assignment (plain or augmented) to ``x.name`` with ``name`` in
+    ``names`` and ``x`` not ``self``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, ast.AugAssign) else []
+        for t in targets:
+            if isinstance(t, ast.Attribute) and t.attr in names \
+                    and not (isinstance(t.value, ast.Name) and t.value.id == "self"):
+                found.append((node.lineno, ast.unparse(t)))
+    return found
+
+
+def test_only_the_stage3_object_changes_unit_state():
+    found = findings(lambda path: state_writes(path, UNIT_STATE), lambda rel: rel in UNIT_STATE_OWNERS)
+    assert not found, "\n".join(found)
+
+
+def test_the_unit_state_checker_sees_writes(tmp_path):
+    f = tmp_path / "w.py"
+    f.write_text("def f(engine, unit):\n    unit.pins = 0\n    unit.pending_backward += 1\n"
+                 "    self.held = True\n    x = unit.held\n", encoding="utf-8")
+    assert state_writes(f, UNIT_STATE) == [(2, "unit.pins"), (3, "unit.pending_backward")]

@@ -46,6 +46,14 @@ def test_pp4_dp1_adamw(pool):
     assert_matches(results, reference(1, STEPS, GAS, optimizer="AdamW"), atol=3e-5, rtol=1e-5)
 
 
+def test_one_stage_pipeline_at_zero_stage_3(pool):
+    """A pipeline of one stage over four data-parallel ranks at stage 3: its micro-batches run one
+    after another with the stage's parameters held gathered (no order of units is recorded then)."""
+    results = pool.run(train, 4, 1, 3, STEPS, GAS)
+    assert [r["stage"] for r in results] == [0, 0, 0, 0]
+    assert_matches(results, reference(4, STEPS, GAS))
+
+
 def test_fp16_overflow_on_one_stage_skips_the_step_on_every_stage(pool):
     from pp_tasks import fp16_overflow_on_one_stage
     results = pool.run(fp16_overflow_on_one_stage, 4)
@@ -167,6 +175,9 @@ def test_model_states_per_rank_and_the_estimate(pool, stage):
     row = zerodp.estimate(total, ranks_per_node=4, pp=2, precision="fp32").row(stage)
     for r in results:
         assert r["memory"]["model_states"] == pytest.approx(row.model_states, rel=0.01), (r["memory"], row)
+        # stage 3 holds the stage's parameters gathered for the whole step: the ledger's peak sees them
+        stage_bytes = total // 2 * 4
+        assert r["memory"]["gathered_parameters_peak"] >= (stage_bytes if stage == 3 else 0), r["memory"]
 
 
 @pytest.mark.parametrize("stage", [2, 3])

@@ -62,23 +62,14 @@ from .assemble import (
 from .collectives import SCRATCH, CommCounter
 from .device import default_device, select, synchronize
 from .engine_api import EngineAPI
-from .gather import (
-    Prefetcher,
-    Unit,
-    external_users,
-    initialize_meta_units,
-    install_external_hooks,
-    install_root_hooks,
-    install_unit_hooks,
-    plan_units,
-    register_params,
-)
+from .gather import Unit, plan_units, register_params
 from .init_shards import has_no_values, init_shard, prepare_for_sharding
-from .leaves import apply_leaf_config, mark_leaf_parameters
+from .leaves import apply_leaf_config
 from .norm import global_norm_and_usage
 from .plain_loop import PlainLoop
 from .precision import LossScaler, PrecisionPolicy
 from .reduce import GradReducer
+from .sharded import ShardedParams
 from .stages import StagePolicy, policy_for
 
 logger = logging.getLogger("zerodp")
@@ -215,8 +206,7 @@ class ZeroEngine(EngineAPI, nn.Module):
         adopt_replaced_params(self.base_module, self.flat_groups)
         self.trainable = [g for g in self.flat_groups if g.trainable]
         broadcast_initial_state(self.data_comm, self.base_module, self.flat_groups)
-        self.units: list[Unit] = []
-        self._unit_hooks = []
+        self.sharded: Optional[ShardedParams] = None  # stage 3: the units, their gathers and hooks
         self.param_offload: Optional[ParamOffload] = None
         if self.policy.shard_parameters:
             if meta and param_init_fn is None and callable(getattr(model, "_init_weights", None)):
@@ -225,7 +215,7 @@ class ZeroEngine(EngineAPI, nn.Module):
             loaded = {id(replaced[i]): p for i, p in built_in_init.items() if i in replaced}
             self._setup_units(unit_plan, meta, param_init_fn, loaded)
         register_params(self.flat_groups, self.comm, sharded=self.policy.shard_parameters,
-                        agreement=self.prefetcher.agreement if self.units else None)
+                        agreement=self.sharded.agreement if self.sharded is not None else None)
         for g in self.trainable:
             g.allocate_gradients(keep_full=self.policy.full_gradient_buffer,
                                  dtype=self.precision.grad_dtype(g.dtype))
@@ -291,28 +281,15 @@ class ZeroEngine(EngineAPI, nn.Module):
         for g in self.flat_groups:
             if not g.shards_parameters:
                 g.shard_parameters()
-        self.units = [Unit(u, name, mod, [g for g in self.flat_groups if g.unit == u], self.comm)
-                      for u, (name, mod) in enumerate(unit_plan)]
-        mark_leaf_parameters(self.base_module)
         zc = self.zero_config
-        self.prefetcher = Prefetcher(self.units, zc.stage3_prefetch_bucket_size,
-                                     zc.stage3_max_live_parameters, zc.stage3_max_reuse_distance)
-        done = _unit_done_hook(self)
-        self._unit_hooks += install_root_hooks(self.base_module, self.units, self.prefetcher)
-        for unit in self.units[1:]:
-            self._unit_hooks += install_unit_hooks(unit, self.prefetcher, done)
-        unit_of_param = {id(p): self.units[g.unit] for g in self.flat_groups for p in g.params}
-        for module, params in external_users(self.base_module):
-            owners = {id(u): u for p in params if (u := unit_of_param.get(id(p))) is not None
-                      and not u.is_root}
-            if owners:
-                self._unit_hooks += install_external_hooks(module, list(owners.values()), self.prefetcher)
+        self.sharded = ShardedParams(self.base_module, unit_plan, self.flat_groups, self.comm, zc,
+                                     _unit_done_hook(self))
         self.param_offload = ParamOffload(zc, self.config.aio, self.device, self.grid.rank) \
             if zc.param_offload != "none" else None  # shards on the host or on disk (offload/params.py)
         park = self.param_offload.park if self.param_offload is not None else None
         if meta:
-            initialize_meta_units(self.units, self.config.seed or 0, self.device, param_init_fn,
-                                  self.prefetcher, after_group=park, loaded=loaded)
+            self.sharded.initialize_meta(self.config.seed or 0, self.device, param_init_fn,
+                                         after_group=park, loaded=loaded)
         if park is not None:
             for g in self.flat_groups:
                 park(g)
@@ -371,9 +348,8 @@ class ZeroEngine(EngineAPI, nn.Module):
             finally:
                 self._in_engine_backward = False
             self.reducer.finish()
-            for unit in self.units:
-                unit.release()
-                unit.pending_backward = 0
+            if self.sharded is not None:
+                self.sharded.backward_ended()
         if reducing and boundary:
             self._reduced_for_boundary = True
         return loss
@@ -389,8 +365,7 @@ class ZeroEngine(EngineAPI, nn.Module):
         """Stage 3: backward has gone through ``unit``; reduce its gradients, release it."""
         if not self._in_engine_backward and not self._plain.active:
             self._plain.begin()
-        unit.release()
-        self.prefetcher.after_backward(unit)  # the next units' all-gathers go first: backward waits for them
+        self.sharded.unit_done(unit)  # the next units' all-gathers go first: backward waits for them
         self.reducer.on_unit_done(unit.index)
 
     @contextlib.contextmanager
@@ -398,21 +373,11 @@ class ZeroEngine(EngineAPI, nn.Module):
         """Stage 3: every unit gathered for the duration and released after (a pipeline step keeps
         its stage's parameters gathered through all its micro-batches, sharded at rest); the unit
         hooks' gathering, prefetching and checks stand by meanwhile. Nothing below stage 3."""
-        if not self.units:
+        if self.sharded is None:
             yield
             return
-        for unit in self.units:
-            unit.gather()
-            unit.held = True
-        self.prefetcher.suspended = True
-        try:
+        with self.sharded.held():
             yield
-        finally:
-            self.prefetcher.suspended = False
-            for unit in self.units:
-                unit.held = False
-                unit.release()
-                unit.pending_backward = 0
 
     def reduce_accumulated(self) -> None:
         """Reduce, in one reduction, the gradients that backward passes accumulated locally
@@ -583,9 +548,11 @@ class ZeroEngine(EngineAPI, nn.Module):
         self.health.close()
         if self._checkpointer is not None:
             self._checkpointer.release_staging()
-        for h in self._hooks + self._unit_hooks:
+        for h in self._hooks:
             h.remove()
-        self._hooks, self._unit_hooks = [], []
+        self._hooks = []
+        if self.sharded is not None:
+            self.sharded.remove_hooks()
         if self.monitor is not None:
             self.monitor.close()
         if self.offload is not None:

@@ -78,11 +78,8 @@ class EngineAPI:
         ``stage3_max_reuse_distance``, or the root unit after a forward with grad enabled), and at
         every stage the buffers kept for gloo's collectives and the device's cached memory are
         returned. Call it between steps, not between a forward and its backward."""
-        for unit in self.units:
-            if not unit.held:
-                unit.pins = 0
-                unit.pending_backward = 0
-                unit.release()
+        if self.sharded is not None:
+            self.sharded.release_all(forget_uses=True)
         SCRATCH.release()
         device.empty_cache(self.device)
 

@@ -157,10 +157,10 @@ class Prefetcher:
             return
         self.agreement.announce(END_OF_FORWARD)
         self.agreement.settle()
-        if self.order is None:
+        if self.order is None and not self.suspended:  # (held units: nothing was recorded)
             self.order = self._recording
 
-    def _gather_now(self, unit: Unit) -> None:
+    def gather_now(self, unit: Unit) -> None:
         if not unit.gathered:  # a collective of its own, not from the plan: every rank agrees first
             self.agreement.settle()
         elif any(g.gather_in_flight for g in unit.groups):  # prefetched: the ranks agreed up to there
@@ -176,7 +176,7 @@ class Prefetcher:
         on_plan = self._valid and self._pos < len(self.order) and self.order[self._pos] == unit.index
         if not on_plan:  # what comes next is not in the plan: the ranks agree before any collective
             self.agreement.settle()
-        self._gather_now(unit)
+        self.gather_now(unit)
         if self.order is None:
             self._recording.append(unit.index)
         elif self._valid:
@@ -187,12 +187,12 @@ class Prefetcher:
                 self._valid = False
                 self._stale = True
                 self.rerecords += 1
-        self._note_peak()
+        self.note_peak()
 
     def before_backward(self, unit: Unit) -> None:
         if self.suspended:
             return
-        self._gather_now(unit)
+        self.gather_now(unit)
         unit.in_backward = True
         if unit.index != self._last_backward and self.order is not None and self._valid:
             first = self._last_backward == -1
@@ -205,7 +205,7 @@ class Prefetcher:
                 self._deferred = unit.index
             else:
                 self._prefetch(reverse[self._bpos:])
-        self._note_peak()
+        self.note_peak()
 
     def after_backward(self, unit: Unit) -> None:
         """Backward has gone through ``unit`` (and its gradients' reduction was launched)."""
@@ -222,7 +222,7 @@ class Prefetcher:
         otherwise when it is used again (later in forward, or in backward) before more than
         ``stage3_max_reuse_distance`` elements of other units are gathered, and keeping it
         stays within ``stage3_max_live_parameters``."""
-        if self.order is None or not self._valid:
+        if not self.order or not self._valid:
             return False
         following = self.order[self._pos] if self._pos < len(self.order) else self.order[-1]
         if self.bucket_numel > 0 and following == unit.index:
@@ -269,7 +269,7 @@ class Prefetcher:
             if budget <= 0:
                 break
 
-    def _note_peak(self) -> None:
+    def note_peak(self) -> None:
         live = sum(g.full.untyped_storage().nbytes() for u in self.units for g in u.groups)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, live)
 
@@ -467,7 +467,7 @@ def initialize_meta_units(units: list[Unit], seed: int, device: torch.device,
         for g in groups:
             g.materialize()
         if prefetcher is not None:
-            prefetcher._note_peak()  # measured: what is allocated now
+            prefetcher.note_peak()  # measured: what is allocated now
         modules = [m for m in unit.module.modules()
                    if any(id(p) in mine and id(p) not in loaded for p in m.parameters(recurse=False))]
         with torch.random.fork_rng(devices=devices), torch.no_grad():
@@ -502,7 +502,7 @@ def install_external_hooks(module: nn.Module, units: list[Unit], prefetcher: Pre
     def pre_forward(mod, args):
         for u in units:
             u.pins += 1
-            prefetcher._gather_now(u)
+            prefetcher.gather_now(u)
 
     def post_forward(mod, args, output):
         for u in units:

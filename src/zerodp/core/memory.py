@@ -6,7 +6,7 @@ Adam moments 8Ψ; the sharded parts divided by N, plus padding).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Protocol
+from typing import TYPE_CHECKING, Optional, Protocol
 
 import torch
 
@@ -16,8 +16,8 @@ if TYPE_CHECKING:
     from ..config import ZeroConfig
     from ..offload.optimizer import OptimizerOffload
     from .flat import FlatGroup
-    from .gather import Unit
     from .reduce import GradReducer
+    from .sharded import ShardedParams
     from .stages import StagePolicy
 
 CATEGORIES = ("parameters", "gradients", "master_weights", "optimizer_states",
@@ -32,8 +32,7 @@ class MeasuredEngine(Protocol):
     trainable: "list[FlatGroup]"              # the groups the optimizer updates
     optimizer: torch.optim.Optimizer
     policy: "StagePolicy"                     # the stage table row of this engine
-    units: "list[Unit]"                       # stage-3 units (empty below stage 3)
-    prefetcher: Any                           # stage 3: the units' prefetcher (peak_gathered_bytes)
+    sharded: "Optional[ShardedParams]"        # stage 3: the units (peak_gathered_bytes); None below
     zero_config: "ZeroConfig"
     offload: "Optional[OptimizerOffload]"
     reducer: "GradReducer"                    # the gradient buckets alive now and their peak
@@ -91,8 +90,7 @@ def measure_model_states(engine: MeasuredEngine) -> dict[str, int]:
                 out[key] += _nbytes(value)
     out["gradient_buckets"] = engine.reducer.bucket_bytes()
     out["gradient_buckets_peak"] = engine.reducer.peak_bucket_bytes
-    out["gathered_parameters_peak"] = (engine.prefetcher.peak_gathered_bytes
-                                       if engine.policy.shard_parameters else 0)
+    out["gathered_parameters_peak"] = engine.sharded.peak_gathered_bytes if engine.sharded is not None else 0
     out["collective_buffers"] = SCRATCH.held_bytes
     out["model_states"] = (out["parameters"] + out["gradients"] + out["master_weights"]
                            + out["optimizer_states"])

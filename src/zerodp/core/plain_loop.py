@@ -30,9 +30,9 @@ import torch
 from torch.autograd import Variable
 
 if TYPE_CHECKING:
-    from .gather import Unit
     from .precision import LossScaler
     from .reduce import GradReducer
+    from .sharded import ShardedParams
     from .stages import StagePolicy
 
 
@@ -43,7 +43,7 @@ class LoopEngine(Protocol):
     optimizer: torch.optim.Optimizer
     loss_scaler: "Optional[LossScaler]"
     policy: "StagePolicy"
-    units: "list[Unit]"                 # stage-3 units (empty below stage 3)
+    sharded: "Optional[ShardedParams]"  # stage 3: the units (None below stage 3)
     reducer: "GradReducer"              # the backward's gradient reduction
     in_no_sync: bool                    # inside engine.no_sync(): gradients stay local
 
@@ -103,9 +103,8 @@ class PlainLoop:
                 engine.reducer.finish()
             else:
                 self.local_grads = True
-            for unit in engine.units:
-                unit.release()
-                unit.pending_backward = 0
+            if engine.sharded is not None:
+                engine.sharded.backward_ended()
         finally:
             self.active = False
 

@@ -229,8 +229,8 @@ class CheckpointView:
 
     def release_units(self) -> None:
         """Stage 3: release every gathered unit, so a load writes into the shards alone."""
-        for unit in self._engine.units:
-            unit.release()
+        if self._engine.sharded is not None:
+            self._engine.sharded.release_all()
 
     def zero_grad(self) -> None:
         """Clear every gradient (after a load, none belongs to the loaded state)."""

@@ -126,7 +126,7 @@ def _compare_buffers(engine: "ZeroEngine", measured: dict, grad_elem: int,
     stage, n = engine.zero_stage, engine.comm.world_size
     trained, groups = engine.trainable, engine.flat_groups
     largest = max((s.numel for g in groups for s in g.slots), default=0)  # stage 3: parameters are empty
-    units = [sum(g.numel for g in u.groups) for u in getattr(engine, "units", [])]
+    units = engine.sharded.unit_sizes() if getattr(engine, "sharded", None) is not None else []
     info = ModelInfo("engine", "module", sum(g.numel for g in groups), sum(g.numel for g in trained),
                      largest, units[0] if units else 0, max(units[1:], default=0))
     zc = engine.zero_config
