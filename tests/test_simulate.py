@@ -81,6 +81,25 @@ def test_tensor_parallel_grid(stage3):
     assert r["collectives"]["tensor"]["calls"] > 0 and r["collectives"]["data"]["calls"] > 0
 
 
+def test_pipeline_stages(llama, stage3):
+    """TP 2 x PP 2 x DP 4: a rank of each pipeline stage holds its stage's layers (together the
+    whole model, each split over the tensor ranks) sharded over its 4 data-parallel ranks."""
+    runs = _run([{"model": llama, "world": 16, "stage": 3, "seq": 16, "tp": 2, "pp": 2, "rank": r} for r in (0, 15)])
+    first, last = runs
+    assert (first["pipeline_stage"], last["pipeline_stage"], first["dp"]) == (0, 1, 4)
+    whole = stage3[0]["params"]
+    h, layers = LLAMA["hidden_size"], LLAMA["num_hidden_layers"]
+    split = h * (4 * h + 3 * LLAMA["intermediate_size"]) * layers  # q, k, v, o and the MLP
+    split += 2 * LLAMA["vocab_size"] * h  # the embedding's and the output layer's vocabulary
+    assert first["params"] + last["params"] == whole - split // 2  # the split matrices halved by TP
+    for r in runs:
+        assert 16 * r["params"] / 4 <= r["model_states"] <= 16 * r["params"] / 4 + 64 * 16 * 4, r
+        # the whole stage stays gathered through the step's micro-batches
+        assert r["gathered_parameters_peak"] >= 2 * r["params"], r
+        assert r["p2p_bytes"] == 2 * 16 * LLAMA["hidden_size"] * 2  # 2 micro-batches, bf16, one direction
+        assert r["collectives"]["tensor"]["calls"] > 0 and r["collectives"]["data"]["calls"] > 0
+
+
 def test_stages_1_and_2(llama):
     runs = _run([{"model": llama, "world": 8, "stage": s, "seq": 16} for s in (1, 2)])
     for r in runs:
@@ -97,5 +116,6 @@ def test_cli(llama):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "rank 0 of 16" in out.stdout and "model states" in out.stdout and "collectives per step" in out.stdout
     bad = subprocess.run([sys.executable, "-m", "zerodp.tools.cli", "simulate", "--model", llama, "--world", "16",
-                          "--stage", "3", "--pp", "2"], capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 2 and "--pp" in bad.stderr and "Traceback" not in bad.stderr
+                          "--stage", "3", "--pp", "3"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "--tp" in bad.stderr and "does not divide" in bad.stderr, bad.stderr
+    assert "Traceback" not in bad.stderr

@@ -15,11 +15,12 @@ and sets ``zerodp estimate``'s row for the same job beside them.
 
 What a fake group cannot show: time (collectives finish at once, so a reduction never stays in
 flight: the simulated gradient buckets are those of a network faster than compute, the estimate's
-those of the slowest), values (parameters are zeros), and pipeline stages (torch's stages agree
-on tensor shapes through object messages at the first step). See docs/estimate.md.
+those of the slowest) and values (parameters are zeros). A pipeline stage runs as a one-stage
+pipeline over its own ranks (``pipeline.py`` says why and what that changes). See docs/estimate.md.
 
-The modules: ``tracker.py`` (peak bytes), ``build.py`` (the rank's model), ``run.py``
-(:func:`simulate`, :class:`Simulation`), ``report.py`` (the table).
+The modules: ``tracker.py`` (peak bytes), ``build.py`` (the rank's model), ``pipeline.py`` (a
+decoder's pipeline stage), ``run.py`` (:func:`simulate`, :class:`Simulation`), ``report.py``
+(the table), ``command.py`` (the command's options).
 """
 from __future__ import annotations
 

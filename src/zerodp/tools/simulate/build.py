@@ -7,6 +7,7 @@
   dtype the engine trains in.
 * Tensor parallelism: the model is split over the grid's tensor axis while it is still on the
   meta device, then each parameter's local slice is allocated, so a rank holds its 1/T slice.
+* Pipeline stages: the layers of this rank's stage only (``pipeline.py``).
 
 Values are zeros, never initialized (``reset_parameters`` is skipped): the simulation measures
 memory and communication, and zeros keep every loss and gradient finite.
@@ -17,7 +18,7 @@ import contextlib
 import importlib
 import re
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -107,16 +108,18 @@ def _nothing(*_args: Any, **_kwargs: Any) -> None:
     return None
 
 
-def build_model(spec: ModelSpec, *, stage: int, tp: int, dtype: torch.dtype, device: torch.device,
-                grid=None) -> nn.Module:
-    """The model as this rank of the fake group builds it (see the module docstring); ``grid``:
-    the run's process grid, needed with ``tp`` > 1 (the model is split over it here)."""
+def build_model(construct: Callable[[], nn.Module], *, stage: int, tp: int, dtype: torch.dtype,
+                device: torch.device, grid=None, partition: Optional[Callable[[nn.Module], dict]] = None
+                ) -> nn.Module:
+    """The model ``construct()`` builds, as this rank of the fake group holds it (see the module
+    docstring); ``grid``: the run's process grid, needed with ``tp`` > 1 (the model is split over
+    it here, by its plan or by the ``partition_config`` that ``partition(model)`` gives)."""
     from ... import zero
     from ...parallel import GRID_ATTR, tensor_parallelize
     with zero.Init(meta=True):
-        model = spec.construct()
+        model = construct()
     if tp > 1:
-        tensor_parallelize(model, grid)
+        tensor_parallelize(model, grid, None if partition is None else partition(model))
     elif grid is not None:
         setattr(model, GRID_ATTR, grid)
     if stage < 3 or tp > 1:

@@ -23,8 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--rank", type=int, default=0, help="the rank this process plays (default 0)")
     add("--stage", type=int, required=True, help="ZeRO stage, 0-3")
     add("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
-    add("--pp", type=int, default=1, help="pipeline stages: only 1 (a fake group cannot carry the "
-        "shape messages torch's pipeline stages exchange; 'zerodp estimate --pp' estimates them)")
+    add("--pp", type=int, default=1, help="pipeline stages (default 1); a transformers decoder-only config is "
+        "split into stages by parameter counts and the rank's stage runs as a one-stage pipeline over its "
+        "data x tensor ranks (docs/estimate.md)")
     add("--precision", default="bf16", choices=list(PRECISIONS), help="default bf16")
     add("--offload", default="none", choices=list(OFFLOADS), help="what moves to CPU memory (default none)")
     add("--micro-batch", type=int, default=1, help="sequences per micro-batch (default 1)")

@@ -46,9 +46,13 @@ def format_simulation(s: Simulation) -> str:
                      f"{_mib(s.estimated.get('cpu')):>14}")
     lines += ["", f"collectives per step: {s.collectives_per_step}, {s.bytes_per_step / 2**20:,.1f} MiB sent by "
                   "this rank (ring-algorithm bytes)"]
+    if s.pp > 1:
+        lines.append(f"  pipeline stage {s.pipeline_stage} of {s.pp}: {s.p2p_bytes / 2**20:,.1f} MiB point to point "
+                     "(computed: activations forward, their gradients back)")
     for group, kinds in s.collectives.items():
         parts = ", ".join(f"{k} {v / 2**20:,.1f} MiB" for k, v in kinds.items() if k not in ("total", "calls") and v)
         lines.append(f"  {group:<8} {kinds.get('calls', 0):>5} calls  {parts}")
-    lines += ["", f"estimated activations {_mib(s.estimated.get('activations'))} MiB (in 'peak' above); "
+    lines += [""] + [f"note: {n}" for n in s.notes if n.startswith("pipeline stage")]
+    lines += [f"estimated activations {_mib(s.estimated.get('activations'))} MiB (in 'peak' above); "
                   f"the simulation took {s.seconds:.1f} s"]
     return "\n".join(lines)

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..estimate import EstimateError, estimate
+from . import pipeline
 from .build import ModelSpec, build_model, no_initialization
 from .tracker import PeakMemory, device_peak
 
@@ -51,6 +52,10 @@ class Simulation:
     seconds: float
     device_peak: Optional[int] = None
     notes: list[str] = field(default_factory=list)
+    pipeline_stage: int = 0
+    p2p_bytes: int = 0
+    """Bytes this rank's pipeline stage sends point to point per step (computed: activations
+    forward, their gradients back), in ``bytes_per_step`` too."""
 
     @property
     def model_states(self) -> int:
@@ -62,7 +67,7 @@ class Simulation:
 
     @property
     def bytes_per_step(self) -> int:
-        return sum(g.get("total", 0) for g in self.collectives.values())
+        return sum(g.get("total", 0) for g in self.collectives.values()) + self.p2p_bytes
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -125,10 +130,11 @@ def _loss_of(out: Any) -> torch.Tensor:
                                  "loss (a scalar tensor, a tuple holding one, or an output with .loss)")
 
 
-def _step(engine, model: nn.Module, ids: torch.Tensor) -> None:
+def _step(engine, model: nn.Module, batch: tuple) -> None:
     if hasattr(engine, "train_batch"):  # a pipeline: one micro-batch per accumulation step
-        engine.train_batch(iter([(ids, ids)] * engine.gradient_accumulation_steps()))
+        engine.train_batch(iter([batch] * engine.gradient_accumulation_steps()))
         return
+    ids = batch[0]
     for _ in range(engine.gradient_accumulation_steps()):
         if getattr(model, "config", None) is not None and hasattr(model, "generation_config"):
             loss = _loss_of(engine(input_ids=ids, labels=ids))  # a transformers causal LM
@@ -158,10 +164,6 @@ def simulate(model: str, *, world: int, stage: int, rank: int = 0, tp: int = 1, 
         raise EstimateError("steps", f"{steps}; at least 1 (the last one is measured)")
     if world < 1 or not 0 <= rank < world:
         raise EstimateError("rank", f"{rank} is not a rank of a world of {world}")
-    if pp > 1:
-        raise EstimateError("pp", "pipeline stages cannot be simulated: torch's pipeline stages exchange their "
-                                  "tensors' shapes with send_object_list/recv_object_list at the first step, "
-                                  "which a fake process group cannot answer (use zerodp estimate --pp)")
     if world % (tp * pp):
         raise EstimateError("tp", f"tensor {tp} x pipeline {pp} does not divide the {world} ranks")
     spec = ModelSpec(model, model_kwargs)
@@ -175,28 +177,41 @@ def simulate(model: str, *, world: int, stage: int, rank: int = 0, tp: int = 1, 
     from ...parallel import build_grid
 
     gc.collect()  # what an earlier simulation in this process left must not count in this one
-    _fake_world(world, rank)
+    per_stage = world // pp  # a pipeline stage's data x tensor grid: the fake world (pipeline.py)
+    pipe_stage = rank // per_stage
+    construct, partition = spec.construct, None
+    if pp > 1:
+        layers = pipeline.decoder_layers(spec)
+        bounds = pipeline.stage_bounds(layers, pp)
+        construct = lambda: pipeline.stage_module(layers, bounds, pipe_stage, pp)  # noqa: E731
+        partition = pipeline.tp_partition
+    _fake_world(per_stage, rank % per_stage)
     dev = devices.default_device()
     accumulation = accumulation or max(pp, int((config or {}).get("gradient_accumulation_steps", 1)))
     cfg = _config(stage, tp, precision, offload, micro_batch, accumulation, config)
-    say(f"building rank {rank} of {world}'s model")
+    say(f"building rank {rank} of {world}'s model" + (f" (pipeline stage {pipe_stage} of {pp})" if pp > 1 else ""))
     t0 = time.perf_counter()
     grid = build_grid(tp_size=tp, source="config") if tp > 1 else None
-    built = build_model(spec, stage=stage, tp=tp, dtype=PRECISIONS[precision], device=dev, grid=grid)
+    built = build_model(construct, stage=stage, tp=tp, dtype=PRECISIONS[precision], device=dev, grid=grid,
+                        partition=partition)
     params = sum(local_tensor(p).numel() for p in built.parameters())
     say("initialize (stage 3: one unit at a time)")
     with no_initialization(built):
         engine, _, _, _ = zerodp.initialize(model=built, config=cfg, param_init_fn=_no_init)
-    ids = torch.randint(0, _vocab(built), (micro_batch, seq), device=dev)
+    if pp > 1:
+        batch = pipeline.stage_batch(spec, pipe_stage, micro_batch, seq, PRECISIONS[precision], dev)
+    else:
+        ids = torch.randint(0, _vocab(built), (micro_batch, seq), device=dev)
+        batch = (ids, ids)
     for i in range(steps - 1):
         say(f"step {i + 1} of {steps} (not measured: it creates the optimizer states and records the "
             "order of units that later steps prefetch in)")
-        _step(engine, built, ids)
+        _step(engine, built, batch)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     say(f"step {steps} of {steps}, measured")
     with PeakMemory(dev.type) as meter:
-        _step(engine, built, ids)
+        _step(engine, built, batch)
     seconds = time.perf_counter() - t0
     categories = engine.memory_breakdown()
     stats = engine.comm_stats(by_group=True)
@@ -204,9 +219,16 @@ def simulate(model: str, *, world: int, stage: int, rank: int = 0, tp: int = 1, 
                                                "activations", "cpu")}
     estimated.update(model_states=row.model_states, device_total=row.device_total)
     notes = list(est.notes)
+    p2p = 0
+    if pp > 1:
+        p2p = pipeline.p2p_bytes(spec, pipe_stage, pp, accumulation, micro_batch, seq,
+                                 torch.empty((), dtype=PRECISIONS[precision]).element_size())
+        notes.append(f"pipeline stage {pipe_stage} of {pp}: layers {bounds[pipe_stage]}-{bounds[pipe_stage + 1] - 1} "
+                     f"of {len(layers)}, simulated as a one-stage pipeline over its {per_stage} ranks; "
+                     f"{accumulation} micro-batches; point-to-point bytes computed, not simulated")
     sim = Simulation(model, world, rank, stage, tp, pp, world // (tp * pp), precision, offload, micro_batch, seq,
                      params, categories, meter.peak, meter.start, stats, estimated, seconds,
-                     device_peak(dev), notes)
+                     device_peak(dev), notes, pipe_stage, p2p)
     engine.destroy()
     dist.destroy_process_group()
     del engine, built
