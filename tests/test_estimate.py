@@ -399,3 +399,18 @@ def test_estimate_is_exported_and_not_shadowed_by_its_module():
     import zerodp.estimator
     assert "estimate" in zerodp.__all__
     assert zerodp.estimate is zerodp.estimator.estimate and callable(zerodp.estimate)
+
+
+def test_a_pipeline_step_holds_its_stage_gathered_and_its_gradients_whole():
+    """A pipeline step at stage 3 gathers its stage's parameters once for all its micro-batches, and
+    at stages 2-3 accumulates the stage's gradients whole before one reduction (parallel/pipeline.py;
+    measured by ``zerodp simulate --pp``): beyond stage3_max_live_parameters for an 8B model."""
+    from zerodp.tools.estimate import estimate
+    e = estimate("8B", ranks_per_node=64, pp=4, precision="bf16")
+    share = e.model.params  # one stage's parameters
+    assert share == 2 * 10**9
+    assert e.row(3).gathered_parameters == 2 * share
+    for stage in (2, 3):
+        assert e.row(stage).gradient_buckets >= 2 * share
+    flat = estimate("8B", ranks_per_node=64, precision="bf16")
+    assert flat.row(3).gathered_parameters < 2 * flat.model.params  # without a pipeline: the live limit

@@ -24,7 +24,7 @@ class Buffers:
 
 
 def estimate_buffers(model: ModelInfo, p: int, reduce_bucket_size: int,
-                     max_live_parameters: int) -> Buffers:
+                     max_live_parameters: int, pipeline: bool = False) -> Buffers:
     """Gradient buckets (stages 2-3) and stage-3 gathered parameters, per rank, in bytes.
 
     Flat groups hold at most ``reduce_bucket_size`` elements (a larger parameter gets one of
@@ -34,7 +34,8 @@ def estimate_buffers(model: ModelInfo, p: int, reduce_bucket_size: int,
     has gone through the unit, so all buckets of the unit are filling, and the root unit's
     until the end of backward. Stage 3 keeps gathered at most ``stage3_max_live_parameters``
     elements through prefetching and reuse, plus the unit being computed, never more than
-    the whole model.
+    the whole model. In a pipeline (``pipeline``) the stage's gradients are accumulated whole over
+    the step and stage 3 keeps the whole stage gathered for it (``parallel/pipeline.py``).
     """
     trained = model.trainable_params
     group = min(trained, max(reduce_bucket_size, model.largest_param or 0))
@@ -62,4 +63,15 @@ def estimate_buffers(model: ModelInfo, p: int, reduce_bucket_size: int,
     gathered_note = (f"{_num(gathered)} elements x {p} bytes: up to stage3_max_live_parameters "
                      f"{_num(max_live_parameters)} stay gathered (prefetch, reuse), {how}; "
                      "never more than the whole model")
+    if pipeline:
+        # a pipeline step accumulates its micro-batches' gradients whole (no_sync) and reduces them once
+        # after the last, through buckets; stage 3 holds the stage's parameters gathered all the while
+        whole = trained + MAX_BUCKETS_IN_FLIGHT * group
+        stage2 = stage3 = min(2 * trained, whole)
+        bucket_note = (f"pipeline: {_num(trained)} elements x {p} bytes of the stage's gradients, accumulated "
+                       f"whole over the step's micro-batches and reduced once after the last, plus "
+                       f"{MAX_BUCKETS_IN_FLIGHT} buckets in flight then")
+        gathered = model.params
+        gathered_note = (f"pipeline: the stage's {_num(gathered)} elements x {p} bytes, gathered once for all "
+                         "the step's micro-batches")
     return Buffers(stage2 * p, stage3 * p, bucket_note, gathered * p, gathered_note)

@@ -115,7 +115,7 @@ def estimate(model: Union[str, int, nn.Module, ModelInfo], *, nodes: int = 1, ra
     whole = info
     info = info.local(tp).stage(pp)
     acts = estimate_activations(info, precision, micro_batch, seq_len, checkpointing)
-    buffers = estimate_buffers(info, acc.params, reduce_bucket_size, max_live_parameters)
+    buffers = estimate_buffers(info, acc.params, reduce_bucket_size, max_live_parameters, pipeline=pp > 1)
     rows = [_with_fit(estimate_row(acc, info, stage, off, n, ranks_per_node, buffers, acts.bytes),
                       device, cpu) for stage, off in ROW_KEYS]
     rec, reason = _recommend(rows, device, cpu, acts)
