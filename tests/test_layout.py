@@ -259,3 +259,20 @@ def test_the_unit_state_checker_sees_writes(tmp_path):
     f.write_text("def f(engine, unit):\n    unit.pins = 0\n    unit.pending_backward += 1\n"
                  "    self.held = True\n    x = unit.held\n", encoding="utf-8")
     assert state_writes(f, UNIT_STATE) == [(2, "unit.pins"), (3, "unit.pending_backward")]
+
+
+#: Library modules that still import ``zerodp.tools`` (the estimate and the metrics monitor that
+#: ``zerodp/__init__`` exports, and two entry points that hand over to the command line). No other
+#: module outside ``tools/`` may; none may import ``examples/``.
+IMPORTS_TOOLS_FOR_NOW = {"zerodp", "zerodp.launcher.runner", "zerodp.utils.zero_to_fp32"}
+
+
+def test_the_library_does_not_import_the_tools_or_the_examples():
+    modules = module_files()
+    edges = import_edges(modules)
+    outside = [m for m in edges if not m.startswith(("zerodp.tools", "zerodp.examples"))]
+    examples = sorted(f"{m} imports {t}" for m in outside for t in edges[m] if t.startswith("zerodp.examples"))
+    assert not examples, "\n".join(examples)
+    tools = {m for m in outside for t in edges[m] if t.startswith("zerodp.tools")}
+    assert tools <= IMPORTS_TOOLS_FOR_NOW, sorted(tools - IMPORTS_TOOLS_FOR_NOW)
+    assert tools == IMPORTS_TOOLS_FOR_NOW, f"no longer importing tools/: {sorted(IMPORTS_TOOLS_FOR_NOW - tools)}"
