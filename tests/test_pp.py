@@ -178,6 +178,9 @@ def test_model_states_per_rank_and_the_estimate(pool, stage):
         # stage 3 holds the stage's parameters gathered for the whole step: the ledger's peak sees them
         stage_bytes = total // 2 * 4
         assert r["memory"]["gathered_parameters_peak"] >= (stage_bytes if stage == 3 else 0), r["memory"]
+        # at stage 3 the micro-batches' gradients are held whole until the step's one reduction
+        held = r["memory"]["accumulated_gradients_peak"]
+        assert (held == stage_bytes) if stage == 3 else (held == 0), r["memory"]
 
 
 @pytest.mark.parametrize("stage", [2, 3])

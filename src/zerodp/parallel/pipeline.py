@@ -70,6 +70,7 @@ class PipelineEngine(ZeroEngine):
         self._data_iter: Optional[Iterator] = None
         self.agg_train_loss: Optional[torch.Tensor] = None
         self.activations_peak = 0  # measured in the first train_batch (the schedule's shape repeats)
+        self.accumulated_gradients_peak = 0  # the stage's gradients held whole until the step's one reduction
 
     # -- set-up -----------------------------------------------------------------------------------
 
@@ -163,6 +164,9 @@ class PipelineEngine(ZeroEngine):
         self.agg_train_loss = self._mean_loss([loss.detach() / factor for loss in losses])
         if self.monitor is not None:  # the step's row gets its loss
             self.monitor.on_backward(self.agg_train_loss)
+        if not self.policy.full_gradient_buffer:  # stages 2-3 (at 0-1 the gradients are the full buffer's views)
+            held = sum(p.grad.numel() * p.grad.element_size() for p in self.module.parameters() if p.grad is not None)
+            self.accumulated_gradients_peak = max(self.accumulated_gradients_peak, held)
         self.reduce_accumulated()
         self._sum_tied_gradients()
         self.update_parameters(count_micro_step=False)
@@ -191,9 +195,13 @@ class PipelineEngine(ZeroEngine):
     def memory_breakdown(self) -> dict[str, int]:
         """The engine's ledger (this stage's model states on this rank), plus ``activations_peak``:
         the most bytes of activations autograd kept at once for the schedule's micro-batches in
-        flight, measured in the first ``train_batch`` (0 before it)."""
+        flight, measured in the first ``train_batch`` (0 before it), and
+        ``accumulated_gradients_peak``: at stages 2-3, the most bytes of the stage's gradients held
+        whole (the micro-batches accumulate them locally and the step reduces them once) beyond the
+        gradient shard counted under ``gradients`` (0 at stages 0-1, whose full gradient buffer that is)."""
         out = super().memory_breakdown()
         out["activations_peak"] = int(self.activations_peak)
+        out["accumulated_gradients_peak"] = int(self.accumulated_gradients_peak)
         return out
 
     # -- a step's pieces ----------------------------------------------------------------------------

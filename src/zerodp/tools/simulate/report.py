@@ -39,6 +39,9 @@ def format_simulation(s: Simulation) -> str:
     for label, mine, theirs in ROWS:
         lines.append(f"{label:<28}{_mib(d[mine]):>14}{_mib(s.estimated.get(theirs)):>14}"
                      f"{_diff(d[mine], s.estimated.get(theirs)):>9}")
+    if s.pp > 1:
+        lines.append(f"{'gradients held whole (peak)':<28}{_mib(s.categories.get('accumulated_gradients_peak')):>14}"
+                     f"{'(in buckets)':>14}")
     if s.device_peak is not None:
         lines.append(f"{'peak, CUDA allocator':<28}{_mib(s.device_peak):>14}")
     if s.offload != "none":
