@@ -377,6 +377,17 @@ class Comm:
                                      group=self.group, async_op=True)]
         return self._finish(self._handle(works, then, "reduce_scatter"), async_op)
 
+    def gather_shards(self, group: Any, async_op: bool = False, what: str = "") -> None:
+        """Stage 3: all-gather a flat group's shards into its full buffer (``FlatGroup.open_for_gather``
+        and ``gathering``); with ``async_op`` (a prefetch) it goes on until ``group.wait_gathered()``.
+        A group already gathered is left as it is (waited for, unless ``async_op``). ``what`` names
+        the unit, for the hang detection's messages."""
+        if group.gathered:
+            if not async_op:
+                group.wait_gathered()
+            return
+        group.gathering(self.all_gather(group.open_for_gather(), async_op=async_op, what=what))
+
     def all_gather(self, full: torch.Tensor, async_op: bool = False,
                    then: Optional[Callable[[], None]] = None, what: str = "") -> Handle:
         """Fill every chunk of ``full`` from the rank that owns it, in place.

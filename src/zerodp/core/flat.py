@@ -319,14 +319,10 @@ class FlatGroup:
             self._own_shard.copy_(self.shard_of(self.full))
             self._shard_in_full = False
 
-    def gather(self, comm, async_op: bool = False, what: str = "") -> None:
-        """Re-allocate the full buffer and all-gather every rank's shard into it; with
-        ``async_op`` (a prefetch) the transfer goes on until ``wait_gathered()``. ``what``
-        names the unit, for the hang detection's messages."""
-        if self.gathered:
-            if not async_op:
-                self.wait_gathered()
-            return
+    def open_for_gather(self) -> torch.Tensor:
+        """Re-allocate the full buffer, with this rank's shard in its place, and return it for the
+        all-gather that fills the rest (``Comm.gather_shards`` issues it and hands its work to
+        :meth:`gathering`)."""
         self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
         self.bind_params_to_full()
         page = self.shard_page
@@ -342,7 +338,12 @@ class FlatGroup:
             self._shard_in_full = True
         else:
             self.shard_of(self.full).copy_(self._own_shard, non_blocking=True)  # from the host
-        self._pending = comm.all_gather(self.full, async_op=async_op, what=what)
+        return self.full
+
+    def gathering(self, work) -> None:
+        """The all-gather into the full buffer was issued: ``work`` (a prefetch's, still in flight,
+        until :meth:`wait_gathered`)."""
+        self._pending = work
         self._mark(ZeroParamStatus.AVAILABLE)
 
     def wait_gathered(self) -> None:

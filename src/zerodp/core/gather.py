@@ -60,7 +60,7 @@ class Unit:
 
     def gather(self, async_op: bool = False) -> None:
         for g in self.groups:
-            g.gather(self.comm, async_op=async_op, what=f"unit '{self.name or '(root)'}'")
+            self.comm.gather_shards(g, async_op=async_op, what=f"unit '{self.name or '(root)'}'")
 
     def release(self) -> None:
         if self.held:

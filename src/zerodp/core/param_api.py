@@ -113,7 +113,7 @@ def _gathered_in_engines(params: list, modifier_rank: Optional[int]):
         agreement.meet(GATHERED_PARAMETERS)
     gathered_here = [g for g, _, _, _ in needing if not g.gathered]
     for g, comm, _, _ in needing:
-        g.gather(comm)  # or, for a prefetch in flight, wait for it
+        comm.gather_shards(g)  # or, for a prefetch in flight, wait for it
     try:
         yield
     finally:

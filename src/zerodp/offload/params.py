@@ -2,7 +2,7 @@
 
 ``park(g)`` moves group ``g``'s shard off the compute device as soon as it has its values (for a
 model built on the meta device, right after its unit is initialized, so no more than one unit's
-shards are in memory at once during set-up). ``FlatGroup.gather`` copies a host shard to the
+shards are in memory at once during set-up). ``FlatGroup.open_for_gather`` copies a host shard to the
 device, or reads a shard on disk, copies it and drops it again; the offloaded optimizer step
 writes updated shards back (``optimizer.py``).
 """
