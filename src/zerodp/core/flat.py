@@ -380,7 +380,7 @@ class FlatGroup:
         """The gradient shard, newly allocated for the step's first reduction to land in
         (stages 2-3; the reduce-scatter writes it, no copy); None when the shard already
         holds an earlier reduction or ``dtype`` is not the gradients' (then the reduced part
-        goes through ``add_to_grad_shard``)."""
+        goes through ``add_to_grad_shard``). The buckets themselves are the reducer's (``reduce.py``)."""
         if self.grad_full is not None or self.grad_shard is not None or dtype != self.grad_dtype:
             return None
         self.grad_shard = torch.empty(self.shard_numel, dtype=self.grad_dtype, device=self.device)
@@ -434,24 +434,6 @@ class FlatGroup:
             return
         target.add_(grad_local(p))
         p.grad = grad_like(p, target) if buffer is self.grad_full and target.dtype == p.dtype else None
-
-    def new_grad_bucket(self, dtype: torch.dtype) -> torch.Tensor:
-        """A full-size gradient bucket for one reduction (stages 2-3), left unwritten except
-        for its padding: each parameter's part is written once by ``move_grad_into_bucket``,
-        so its memory is committed as gradients arrive (and no zero fill is spent)."""
-        bucket = torch.empty(self.padded_numel, dtype=dtype, device=self.device)
-        bucket[self.numel:].zero_()
-        return bucket
-
-    def move_grad_into_bucket(self, bucket: torch.Tensor, slot: int) -> None:
-        """Write ``params[slot].grad`` (zeros if it has none) into its part of ``bucket`` and
-        drop it; called exactly once per parameter and bucket."""
-        p, target = self.params[slot], self.view(bucket, slot)
-        if p.grad is None:
-            target.zero_()
-        else:
-            target.copy_(grad_local(p))
-            p.grad = None
 
     # -- fp32 master weights (mixed precision) -----------------------------------------
 

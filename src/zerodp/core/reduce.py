@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from .collectives import Comm, Handle
-from .flat import FlatGroup
+from .flat import FlatGroup, grad_local
 from .precision import PrecisionPolicy
 from .stages import StagePolicy
 
@@ -177,7 +177,7 @@ class GradReducer:
         if self.policy.full_gradient_buffer:
             return g.grad_full
         if t not in self._buckets:
-            self._buckets[t] = g.new_grad_bucket(self.precision.comm_dtype(g.grad_dtype))
+            self._buckets[t] = _new_bucket(g, self.precision.comm_dtype(g.grad_dtype))
             self.peak_bucket_bytes = max(self.peak_bucket_bytes, self.bucket_bytes())
         return self._buckets[t]
 
@@ -196,7 +196,7 @@ class GradReducer:
         if self.policy.full_gradient_buffer:
             g.fold_param_grad_into(g.grad_full, i)
         else:
-            g.move_grad_into_bucket(self._grad_buffer(t), i)
+            _move_grad_into_bucket(g, self._grad_buffer(t), i)
 
     def _mark_ready(self, t: int) -> None:
         """Group ``t`` is complete: launch it and every complete group after it, in order."""
@@ -233,3 +233,23 @@ class GradReducer:
         self._handles = [h for h in self._handles if not h.done]
         if len(self._handles) > MAX_BUCKETS_IN_FLIGHT:
             self._handles.pop(0).wait()
+
+
+def _new_bucket(g: FlatGroup, dtype: torch.dtype) -> torch.Tensor:
+    """A full-size gradient bucket for one reduction of group ``g`` (stages 2-3), left unwritten
+    except for its padding: each parameter's part is written once by ``_move_grad_into_bucket``, so
+    its memory is committed as gradients arrive (and no zero fill is spent)."""
+    bucket = torch.empty(g.padded_numel, dtype=dtype, device=g.device)
+    bucket[g.numel:].zero_()
+    return bucket
+
+
+def _move_grad_into_bucket(g: FlatGroup, bucket: torch.Tensor, slot: int) -> None:
+    """Write ``g.params[slot].grad`` (zeros if it has none) into its part of ``bucket`` and drop it;
+    called exactly once per parameter and bucket."""
+    p, target = g.params[slot], g.view(bucket, slot)
+    if p.grad is None:
+        target.zero_()
+    else:
+        target.copy_(grad_local(p))
+        p.grad = None
