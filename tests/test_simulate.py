@@ -100,8 +100,13 @@ def test_pipeline_stages(llama, stage3):
         assert r["collectives"]["tensor"]["calls"] > 0 and r["collectives"]["data"]["calls"] > 0
 
 
-def test_stages_1_and_2(llama):
-    runs = _run([{"model": llama, "world": 8, "stage": s, "seq": 16} for s in (1, 2)])
+def test_stages_1_and_2_and_offload(llama):
+    runs = _run([{"model": llama, "world": 8, "stage": s, "seq": 16} for s in (1, 2)]
+                + [{"model": llama, "world": 8, "stage": 3, "seq": 16, "offload": "optimizer+params"}])
+    off = runs.pop()
+    est = off["estimated"]  # device columns: nothing but gradients; the rest on the host
+    assert abs(off["categories"]["model_states_on_compute"] - est["model_states"]) <= 0.01 * est["model_states"] + 1024
+    assert abs(off["categories"]["model_states_on_host"] - est["cpu"]) <= 0.01 * est["cpu"] + 1024
     for r in runs:
         for k in STATES:
             assert abs(r[k] - r["estimated"][k]) <= 0.01 * r["estimated"][k] + 1024, (r["stage"], k)

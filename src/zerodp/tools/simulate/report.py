@@ -36,7 +36,12 @@ def format_simulation(s: Simulation) -> str:
              f"model: {s.model}: {_num(s.params)} parameter elements on this rank before ZeRO sharding",
              "",
              f"{'MiB per rank':<28}{'simulated':>14}{'estimated':>14}{'diff':>9}"]
-    for label, mine, theirs in ROWS:
+    rows = ROWS
+    if s.offload != "none":  # the categories count every place; the estimate's columns are the device's
+        on = s.categories.get("model_states_on_compute", 0)
+        d["model_states"] = on
+        rows = [("model states on the device", "model_states", "model_states"), *ROWS[5:]]
+    for label, mine, theirs in rows:
         lines.append(f"{label:<28}{_mib(d[mine]):>14}{_mib(s.estimated.get(theirs)):>14}"
                      f"{_diff(d[mine], s.estimated.get(theirs)):>9}")
     if s.pp > 1:
@@ -45,8 +50,11 @@ def format_simulation(s: Simulation) -> str:
     if s.device_peak is not None:
         lines.append(f"{'peak, CUDA allocator':<28}{_mib(s.device_peak):>14}")
     if s.offload != "none":
-        lines.append(f"{'host (offload)':<28}{_mib(s.categories.get('model_states_on_host')):>14}"
-                     f"{_mib(s.estimated.get('cpu')):>14}")
+        if s.device_peak is None:
+            lines.append("(no GPU here: host and device are one memory, and 'peak' counts both)")
+        host = s.categories.get("model_states_on_host", 0)
+        lines.append(f"{'model states on the host':<28}{_mib(host):>14}{_mib(s.estimated.get('cpu')):>14}"
+                     f"{_diff(host, s.estimated.get('cpu')):>9}")
     lines += ["", f"collectives per step: {s.collectives_per_step}, {s.bytes_per_step / 2**20:,.1f} MiB sent by "
                   "this rank (ring-algorithm bytes)"]
     if s.pp > 1:
