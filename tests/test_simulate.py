@@ -124,3 +124,27 @@ def test_cli(llama):
                           "--stage", "3", "--pp", "3"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "--tp" in bad.stderr and "does not divide" in bad.stderr, bad.stderr
     assert "Traceback" not in bad.stderr
+    for grid in (["--tp", "8"], ["--tp", "8", "--pp", "2"]):  # 4 heads do not split over 8 ranks
+        heads = subprocess.run([sys.executable, "-m", "zerodp.tools.cli", "simulate", "--model", llama, "--world",
+                                "16", "--stage", "3", *grid], capture_output=True, text=True, timeout=300)
+        assert heads.returncode == 2 and "4 attention heads do not split over 8" in heads.stderr, heads.stderr[-800:]
+
+
+def test_a_failed_simulation_ends_its_process_group(llama):
+    """The Python API: a simulation that fails (heads that do not split) leaves no process group
+    behind, so the next one in the same process runs."""
+    code = ("import warnings, json; warnings.simplefilter('ignore')\n"
+            "import torch.distributed as dist\n"
+            "from zerodp.tools.simulate import simulate\n"
+            "try:\n"
+            f"    simulate({llama!r}, world=16, stage=3, tp=16, seq=8, steps=1)\n"
+            "    raised = False\n"
+            "except Exception:\n"
+            "    raised = True\n"
+            "after = dist.is_initialized()\n"
+            f"s = simulate({llama!r}, world=16, stage=3, seq=8, steps=1)\n"
+            "print(json.dumps([raised, after, s.model_states]))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    raised, after, states = json.loads(out.stdout.strip().splitlines()[-1])
+    assert raised and not after and states > 0

@@ -35,6 +35,7 @@ class ModelSpec:
     def __init__(self, model: str, model_kwargs: Optional[dict] = None) -> None:
         self.text = str(model).strip()
         self.kwargs = dict(model_kwargs or {})
+        self._config = None
         self.is_factory = re.fullmatch(r"[\w.]+:\w+", self.text) is not None and not Path(self.text).exists()
         if not self.is_factory and not Path(self.text).exists():
             raise EstimateError("model", f"{self.text!r} is neither an existing transformers config (config.json "
@@ -43,9 +44,12 @@ class ModelSpec:
             raise EstimateError("model_kwargs", "given for a transformers config; allowed only with a factory")
 
     def hf_config(self):
-        from transformers import AutoConfig
-        path = Path(self.text)
-        return AutoConfig.from_pretrained(str(path / "config.json" if path.is_dir() else path))
+        """The ``transformers`` config, read once."""
+        if self._config is None:
+            from transformers import AutoConfig
+            path = Path(self.text)
+            self._config = AutoConfig.from_pretrained(str(path / "config.json" if path.is_dir() else path))
+        return self._config
 
     def construct(self) -> nn.Module:
         """Call the factory or ``AutoModelForCausalLM.from_config`` (inside whatever context the

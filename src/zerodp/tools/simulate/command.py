@@ -7,6 +7,7 @@ import os
 import sys
 import warnings
 
+from ...parallel import GridError, TensorParallelError
 from ..estimate import EstimateError
 from .report import format_simulation
 from .run import OFFLOADS, PRECISIONS, simulate
@@ -57,6 +58,9 @@ def run(args: argparse.Namespace) -> int:
                            seq=args.seq, steps=args.steps, model_kwargs=kwargs, config=config, progress=progress)
     except EstimateError as e:
         launch.error(f"--{e.name.replace('_', '-')}: {e.detail}", "simulate")
+        return 2
+    except (TensorParallelError, GridError) as e:  # the grid or the split cannot be made as asked
+        launch.error(f"--tp/--pp: {e}", "simulate")
         return 2
     try:
         print(json.dumps(sim.to_dict(), indent=2) if args.json else format_simulation(sim), flush=True)

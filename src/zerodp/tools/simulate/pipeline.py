@@ -90,10 +90,10 @@ def stand_in_loss(hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return hidden.float().mean()
 
 
-def decoder_layers(spec: ModelSpec) -> list:
+def decoder_layers(spec: ModelSpec, tp: int = 1) -> list:
     """``LayerSpec`` s of a decoder-only causal LM (``model.layers``, ``model.rotary_emb``,
     ``model.norm``, ``lm_head``; Llama, Mistral, Qwen2): the embedding, each decoder layer, the
-    final norm with the output layer."""
+    final norm with the output layer. Its attention heads must split over ``tp`` ranks."""
     from ...pipe import LayerSpec
     if spec.is_factory:
         raise EstimateError("pp", "pipeline stages are simulated for a transformers config of a decoder-only "
@@ -110,6 +110,8 @@ def decoder_layers(spec: ModelSpec) -> list:
     if getattr(config, "tie_word_embeddings", False):
         raise EstimateError("pp", "a model whose output layer is its input embedding (tie_word_embeddings) is "
                                   "not split into pipeline stages here")
+    from ...parallel.plans import check_heads
+    check_heads(probe, tp)  # (the stage's layers carry no config to check later)
     layer_cls, rotary_cls, norm_cls = type(inner.layers[0]), type(inner.rotary_emb), type(inner.norm)
     return [LayerSpec(Embed, config),
             *[LayerSpec(Decoder, layer_cls, rotary_cls, config, i) for i in range(len(inner.layers))],

@@ -108,10 +108,9 @@ def _config(stage: int, tp: int, precision: str, offload: str, micro_batch: int,
 
 
 def _vocab(model: nn.Module) -> int:
-    config = getattr(model, "config", None)
-    for name in ("vocab_size",):
-        if config is not None and isinstance(getattr(config, name, None), int):
-            return getattr(config, name)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if isinstance(vocab, int):
+        return vocab
     emb = [m for m in model.modules() if isinstance(m, nn.Embedding)]
     return emb[0].num_embeddings if emb else 2
 
@@ -149,8 +148,9 @@ def simulate(model: str, *, world: int, stage: int, rank: int = 0, tp: int = 1, 
              model_kwargs: Optional[dict] = None, config: Optional[dict] = None, steps: int = 2,
              accumulation: Optional[int] = None,
              progress: Optional[Callable[[str], None]] = None) -> Simulation:
-    """Run one optimizer step of ``model`` as rank ``rank`` of ``world`` over a fake process group
-    (in this process, which must not have started one) and measure it; see the package docstring."""
+    """Run ``steps`` optimizer steps of ``model`` as rank ``rank`` of ``world`` over a fake process
+    group (in this process, which must not have started one; it is ended again, also on an error)
+    and measure the last; see the package docstring."""
     say = progress or (lambda _m: None)
     if precision not in PRECISIONS:
         raise EstimateError("precision", f"{precision!r}; allowed: {', '.join(PRECISIONS)}")
@@ -181,57 +181,60 @@ def simulate(model: str, *, world: int, stage: int, rank: int = 0, tp: int = 1, 
     pipe_stage = rank // per_stage
     construct, partition = spec.construct, None
     if pp > 1:
-        layers = pipeline.decoder_layers(spec)
+        layers = pipeline.decoder_layers(spec, tp)
         bounds = pipeline.stage_bounds(layers, pp)
         construct = lambda: pipeline.stage_module(layers, bounds, pipe_stage, pp)  # noqa: E731
         partition = pipeline.tp_partition
     _fake_world(per_stage, rank % per_stage)
-    dev = devices.default_device()
-    accumulation = accumulation or max(pp, int((config or {}).get("gradient_accumulation_steps", 1)))
-    cfg = _config(stage, tp, precision, offload, micro_batch, accumulation, config)
-    say(f"building rank {rank} of {world}'s model" + (f" (pipeline stage {pipe_stage} of {pp})" if pp > 1 else ""))
-    t0 = time.perf_counter()
-    grid = build_grid(tp_size=tp, source="config") if tp > 1 else None
-    built = build_model(construct, stage=stage, tp=tp, dtype=PRECISIONS[precision], device=dev, grid=grid,
-                        partition=partition)
-    params = sum(local_tensor(p).numel() for p in built.parameters())
-    say("initialize (stage 3: one unit at a time)")
-    with no_initialization(built):
-        engine, _, _, _ = zerodp.initialize(model=built, config=cfg, param_init_fn=_no_init)
-    if pp > 1:
-        batch = pipeline.stage_batch(spec, pipe_stage, micro_batch, seq, PRECISIONS[precision], dev)
-    else:
-        ids = torch.randint(0, _vocab(built), (micro_batch, seq), device=dev)
-        batch = (ids, ids)
-    for i in range(steps - 1):
-        say(f"step {i + 1} of {steps} (not measured: it creates the optimizer states and records the "
-            "order of units that later steps prefetch in)")
-        _step(engine, built, batch)
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
-    say(f"step {steps} of {steps}, measured")
-    with PeakMemory(dev.type) as meter:
-        _step(engine, built, batch)
-    seconds = time.perf_counter() - t0
-    categories = engine.memory_breakdown()
-    stats = engine.comm_stats(by_group=True)
-    estimated = {k: getattr(row, k) for k in (*MODEL_STATES, "gradient_buckets", "gathered_parameters",
-                                               "activations", "cpu")}
-    estimated.update(model_states=row.model_states, device_total=row.device_total)
-    notes = list(est.notes)
-    p2p = 0
-    if pp > 1:
-        p2p = pipeline.p2p_bytes(spec, pipe_stage, pp, accumulation, micro_batch, seq,
-                                 torch.empty((), dtype=PRECISIONS[precision]).element_size())
-        notes.append(f"pipeline stage {pipe_stage} of {pp}: layers {bounds[pipe_stage]}-{bounds[pipe_stage + 1] - 1} "
-                     f"of {len(layers)}, simulated as a one-stage pipeline over its {per_stage} ranks; "
-                     f"{accumulation} micro-batches; point-to-point bytes computed, not simulated")
-    sim = Simulation(model, world, rank, stage, tp, pp, world // (tp * pp), precision, offload, micro_batch, seq,
-                     params, categories, meter.peak, meter.start, stats, estimated, seconds,
-                     device_peak(dev), notes, pipe_stage, p2p)
-    engine.destroy()
-    dist.destroy_process_group()
-    del engine, built
+    try:
+        dev = devices.default_device()
+        accumulation = accumulation or max(pp, int((config or {}).get("gradient_accumulation_steps", 1)))
+        cfg = _config(stage, tp, precision, offload, micro_batch, accumulation, config)
+        where = f" (pipeline stage {pipe_stage} of {pp})" if pp > 1 else ""
+        say(f"building rank {rank} of {world}'s model{where}")
+        t0 = time.perf_counter()
+        grid = build_grid(tp_size=tp, source="config") if tp > 1 else None
+        built = build_model(construct, stage=stage, tp=tp, dtype=PRECISIONS[precision], device=dev, grid=grid,
+                            partition=partition)
+        params = sum(local_tensor(p).numel() for p in built.parameters())
+        say("initialize (stage 3: one unit at a time)")
+        with no_initialization(built):
+            engine, _, _, _ = zerodp.initialize(model=built, config=cfg, param_init_fn=_no_init)
+        if pp > 1:
+            batch = pipeline.stage_batch(spec, pipe_stage, micro_batch, seq, PRECISIONS[precision], dev)
+        else:
+            ids = torch.randint(0, _vocab(built), (micro_batch, seq), device=dev)
+            batch = (ids, ids)
+        for i in range(steps - 1):
+            say(f"step {i + 1} of {steps} (not measured: it creates the optimizer states and records the "
+                "order of units that later steps prefetch in)")
+            _step(engine, built, batch)
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        say(f"step {steps} of {steps}, measured")
+        with PeakMemory(dev.type) as meter:
+            _step(engine, built, batch)
+        seconds = time.perf_counter() - t0
+        categories = engine.memory_breakdown()
+        stats = engine.comm_stats(by_group=True)
+        estimated = {k: getattr(row, k) for k in (*MODEL_STATES, "gradient_buckets", "gathered_parameters",
+                                                   "activations", "cpu")}
+        estimated.update(model_states=row.model_states, device_total=row.device_total)
+        notes = list(est.notes)
+        p2p = 0
+        if pp > 1:
+            p2p = pipeline.p2p_bytes(spec, pipe_stage, pp, accumulation, micro_batch, seq,
+                                     PRECISIONS[precision].itemsize)
+            first, last = bounds[pipe_stage], bounds[pipe_stage + 1] - 1
+            notes.append(f"pipeline stage {pipe_stage} of {pp}: layers {first}-{last} of {len(layers)}, "
+                         f"simulated as a one-stage pipeline over its {per_stage} ranks; "
+                         f"{accumulation} micro-batches; point-to-point bytes computed, not simulated")
+        sim = Simulation(model, world, rank, stage, tp, pp, world // (tp * pp), precision, offload, micro_batch, seq,
+                         params, categories, meter.peak, meter.start, stats, estimated, seconds,
+                         device_peak(dev), notes, pipe_stage, p2p)
+        engine.destroy()
+    finally:
+        dist.destroy_process_group()
     gc.collect()
     return sim
 

@@ -37,8 +37,7 @@ def _storages(t: torch.Tensor) -> list:
 
 
 class PeakMemory(TorchDispatchMode):
-    """``with PeakMemory("cpu") as m: ...``; then ``m.peak`` (bytes), ``m.live`` and ``m.start``.
-    ``m.reset()`` makes the peak the bytes live now."""
+    """``with PeakMemory("cpu") as m: ...``; then ``m.peak`` (bytes), ``m.live`` and ``m.start``."""
 
     def __init__(self, device_type: str) -> None:
         super().__init__()
@@ -79,9 +78,6 @@ class PeakMemory(TorchDispatchMode):
         new = st.nbytes()
         self._add(new - self._size[key])
         self._size[key] = new
-
-    def reset(self) -> None:
-        self.peak = self.live
 
     # -- the mode -------------------------------------------------------------------------
 
