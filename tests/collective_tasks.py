@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from zerodp.core.collectives import GLOO_FORMS_ENV, SCRATCH, Comm
+from zerodp.core.collectives import GLOO_FORMS_ENV, SCRATCH, Comm, ScratchPool
 
 
 def rank_values(rank: int, numel: int) -> torch.Tensor:
@@ -68,6 +68,34 @@ def pooled_operations(group) -> dict:
         held.append(SCRATCH.held_bytes)
     return {"results_ok": ok, "lent_in_flight": lent, "held_after_first": held[0],
             "held_after_second": held[1], "lent_after": SCRATCH.lent_buffers}
+
+
+def capped_pool_operations(group) -> dict:
+    """Five operations issued at once through a pool of capacity one: each waits for the one
+    holding the buffer, so one buffer (of the largest operation) is lent at any time."""
+    pool = ScratchPool(capacity=1)
+    comm = Comm(group).using(pool)
+    default_before = SCRATCH.held_bytes
+    n, r = comm.world_size, comm.rank
+    ops, lent, ok = [], [], []
+    for kind, chunk in [("rs", 3000), ("ag", 5000), ("rs", 1000), ("ag", 2000), ("rs", 4000)]:
+        if kind == "rs":
+            full = rank_values(r, chunk * n)
+            ops.append((kind, chunk, full, comm.reduce_scatter_sum(full, async_op=True)))
+        else:
+            full = torch.zeros(chunk * n)
+            full.chunk(n)[r].copy_(rank_values(r, chunk))
+            ops.append((kind, chunk, full, comm.all_gather(full, async_op=True)))
+        lent.append(pool.lent_buffers)
+    for kind, chunk, full, handle in ops:
+        handle.wait()
+        if kind == "rs":
+            want = sum(rank_values(k, chunk * n) for k in range(n))
+            ok.append(torch.equal(full.chunk(n)[r], want.chunk(n)[r]))
+        else:
+            ok.append(all(torch.equal(full.chunk(n)[k], rank_values(k, chunk)) for k in range(n)))
+    return {"results_ok": ok, "lent_in_flight": lent, "held": pool.held_bytes, "lent_after": pool.lent_buffers,
+            "default_pool_grew": SCRATCH.held_bytes - default_before}
 
 
 # the collectives of torch.distributed a training step may call (looked up there at call time)

@@ -3,7 +3,7 @@ reduce-scatter in place or into a tensor of its own), and
 each counts as one collective in the engine's counter; ``auto`` is the all-to-all at every
 size, whose transient buffers come from a pool and go back to it."""
 import pytest
-from collective_tasks import each_form, pooled_operations
+from collective_tasks import capped_pool_operations, each_form, pooled_operations
 
 from zerodp.core.collectives import GLOO_FORMS
 
@@ -43,6 +43,17 @@ def test_the_all_to_all_reuses_its_buffers(pool, world):
         assert r["lent_after"] == 0
     if world == 2:  # one chunk per reduce-scatter: 3000 + 1000 + 5000 elements, fp32 / bf16 / fp32
         assert r["held_after_first"] == 4 * 3000 + 2 * 1000 + 4 * 5000
+
+
+def test_a_pool_of_capacity_one_lends_one_buffer_at_a_time(pool):
+    """Stage 3's pool: five operations issued at once at world size 3 each wait for the one
+    holding the buffer; every result is right and the pool holds one buffer, the size of the
+    largest operation (an all-gather of 5000-element chunks), and the default pool is not used."""
+    for r in pool.run(capped_pool_operations, 3):
+        assert r["results_ok"] == [True] * 5
+        assert r["lent_in_flight"] == [1] * 5
+        assert r["held"] == 4 * 5000 * 3
+        assert r["lent_after"] == 0 and r["default_pool_grew"] == 0
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

@@ -163,11 +163,12 @@ def test_stage2_buckets_are_bounded(pool):
 @pytest.mark.parametrize("stage", [2, 3])
 def test_the_ledger_counts_the_buffers_kept_for_collectives(pool, stage):
     """On gloo the all-to-all's transient buffers are kept for reuse: the ledger reports them
-    (at least what the largest group's reduce-scatter needed, at most a full-size buffer per
-    operation that can be in flight: two buckets and, at stage 3, a unit gathered ahead), and
-    destroying the engine frees them. At world size 2 the reduce-scatter is an exchange: a
-    step's first reduction of a group lands in its gradient shard (no buffer); a later one, in
-    gradient accumulation, receives the peer's half into a buffer of the pool."""
+    (at least what the largest group's reduce-scatter needed; at stage 2 at most a full-size
+    buffer per operation that can be in flight, at stage 3 one: the units' gathers and the
+    reductions take turns with the stage-3 object's buffer), and destroying the engine frees them.
+    At world size 2 the reduce-scatter is an exchange: a step's first reduction of a group lands
+    in its gradient shard (no buffer); a later one, in gradient accumulation, receives the peer's
+    half into a buffer of the pool."""
     widths = [8, 64, 16, 32, 8]
     for world, gas, least in ((3, 1, 1.0), (2, 2, 0.5), (2, 1, 0.0)):
         results = pool.run(collective_buffers, world, stage, widths, gas)
@@ -176,5 +177,6 @@ def test_the_ledger_counts_the_buffers_kept_for_collectives(pool, stage):
             held = res["memory"]["collective_buffers"]
             if least == 0 and stage == 2:  # nothing gathered, and no reduction through the pool
                 assert held == 0, held
-            assert least * largest <= held <= 4 * largest, (world, gas, held, largest)
+            most = largest if stage == 3 else 4 * largest
+            assert least * largest <= held <= most, (world, gas, held, largest)
             assert res["held_after_destroy"] == 0

@@ -35,7 +35,10 @@ reduce-scatter and all-gather is one collective (one work to wait for), at any g
   and 1.08 against 1.13 (docs/benchmarks.md); one collective per operation at any N (stage 3:
   28 per step against 46 and 82 at 2 and 4). The price is memory: the pool keeps up to one
   buffer per operation in flight (peak RSS per rank at stage 2 +21 / +42 MiB at world sizes 2 /
-  4 with 25 MiB buckets, stage 3 +10 / +21), reported as ``memory_breakdown()["collective_buffers"]``.
+  4 with 25 MiB buckets), reported as ``memory_breakdown()["collective_buffers"]``. Stage 3's
+  units and reductions borrow from a pool of their own with room for one buffer, the size of
+  the largest unit (``ShardedParams.scratch``), and take turns with it: one unit-sized buffer per
+  rank instead of up to four (-20 MiB per rank at world sizes 4 and 8 on the medium GPT).
   ``ZERODP_GLOO_COLLECTIVES`` picks another form for every size (``per_owner``: one operation per
   owner, in place, no transient buffer; ``tensor``) instead of ``auto`` (the all-to-all).
   (gloo's ``_coalescing_manager`` does not run broadcasts and reduces: it returns without
@@ -56,6 +59,7 @@ over ``N`` ranks:
 """
 from __future__ import annotations
 
+import copy
 import os
 import threading
 from collections import defaultdict
@@ -129,12 +133,20 @@ class ScratchPool:
     back when the operation is done; a request that no free buffer fits allocates a new one
     and drops the largest free buffer, too small for it, so the pool holds about as many
     buffers as operations ran at once, each the size of the largest it served.
+
+    With a ``capacity``, it lends no more than that many buffers at once: a request beyond it
+    first waits for the oldest operation holding one (``Comm`` tells the pool which ``Handle``
+    holds a buffer), so operations that need a buffer run one after another and the pool
+    holds ``capacity`` buffers, each the size of the largest operation. The collectives are
+    issued in the same order on every rank, so waiting for an earlier one cannot deadlock.
     ``held_bytes`` is what it holds (lent or free), ``lent_buffers`` how many are lent now;
     ``release()`` frees the free ones."""
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: Optional[int] = None) -> None:
+        self.capacity = capacity
         self._free: list[torch.Tensor] = []
         self._lent: dict[int, torch.Tensor] = {}  # by data pointer
+        self._holders: dict[int, "Handle"] = {}  # by data pointer: the operation a lent buffer serves
         self._lock = threading.Lock()
 
     @property
@@ -149,6 +161,12 @@ class ScratchPool:
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A 1-D tensor of ``numel`` elements of ``dtype`` on ``device``, contents unspecified."""
         nbytes = numel * dtype.itemsize
+        while self.capacity is not None and len(self._lent) >= self.capacity:
+            with self._lock:
+                oldest = next(iter(self._holders.values()), None)
+            if oldest is None:
+                raise RuntimeError("scratch pool: every buffer is lent and no operation holds one")
+            oldest.wait()  # gives its buffer back
         with self._lock:
             here = [i for i, b in enumerate(self._free) if b.device == device]
             fits = [i for i in here if self._free[i].numel() >= nbytes]
@@ -161,8 +179,16 @@ class ScratchPool:
             self._lent[buf.data_ptr()] = buf
         return buf[:nbytes].view(dtype)
 
+    def held_by(self, view: torch.Tensor, handle: "Handle") -> None:
+        """``view`` (from ``take``) serves the operation ``handle``: a request beyond the capacity
+        waits for it."""
+        with self._lock:
+            if view.data_ptr() in self._lent:
+                self._holders[view.data_ptr()] = handle
+
     def give_back(self, view: torch.Tensor) -> None:
         with self._lock:
+            self._holders.pop(view.data_ptr(), None)
             self._free.append(self._lent.pop(view.data_ptr()))
 
     def release(self) -> None:
@@ -288,6 +314,7 @@ class Comm:
         self.counter = counter if counter is not None else CommCounter()
         self.gloo = gloo_form() if self.backend == "gloo" else "tensor"
         self.watched = False  # waits watched for hangs (health/): set by the engine, on gloo only
+        self.scratch = SCRATCH  # where gloo's all-to-all forms borrow their transient buffers
 
     @classmethod
     def alone(cls, label: str = "data", counter: Optional[CommCounter] = None) -> "Comm":
@@ -300,6 +327,13 @@ class Comm:
         comm.counter = counter if counter is not None else CommCounter()
         comm.gloo = "tensor"
         comm.watched = False
+        comm.scratch = SCRATCH
+        return comm
+
+    def using(self, scratch: ScratchPool) -> "Comm":
+        """The same group's collectives, borrowing their transient buffers from ``scratch``."""
+        comm = copy.copy(self)
+        comm.scratch = scratch
         return comm
 
     def form(self) -> str:
@@ -346,26 +380,28 @@ class Comm:
         chunks = full.chunk(n)
         mine = chunks[self.rank]
         form = self.form()
+        borrowed = None
         if form == "all_to_all" and n == 2:  # an exchange: the peer's chunk there, its copy of mine here
             peer, splits = self._pair(mine.numel())
-            received = SCRATCH.take(mine.numel(), full.dtype, full.device) if out is None else out
+            received = self.scratch.take(mine.numel(), full.dtype, full.device) if out is None else out
+            borrowed = received if out is None else None
             works = [dist.all_to_all_single(received, chunks[peer], output_split_sizes=splits,
                                             input_split_sizes=splits, group=self.group, async_op=True)]
 
             def add_up():
                 if out is None:
                     mine.add_(received)
-                    SCRATCH.give_back(received)
+                    self.scratch.give_back(received)
                 else:
                     out.add_(mine)
             then = _chain(add_up, then)
         elif form == "all_to_all":  # every rank's chunk `rank` arrives here, and is summed
-            received = SCRATCH.take(full.numel(), full.dtype, full.device)
+            received = borrowed = self.scratch.take(full.numel(), full.dtype, full.device)
             works = [dist.all_to_all_single(received, full, group=self.group, async_op=True)]
 
             def add_up():
                 torch.sum(received.view(n, -1), dim=0, out=mine if out is None else out)
-                SCRATCH.give_back(received)
+                self.scratch.give_back(received)
             then = _chain(add_up, then)
         elif form == "per_owner":
             works = [dist.reduce(c, dst=self.global_ranks[i], op=dist.ReduceOp.SUM,
@@ -375,7 +411,7 @@ class Comm:
         else:
             works = [_REDUCE_SCATTER(mine if out is None else out, full, op=dist.ReduceOp.SUM,
                                      group=self.group, async_op=True)]
-        return self._finish(self._handle(works, then, "reduce_scatter"), async_op)
+        return self._finish(self._lending(borrowed, self._handle(works, then, "reduce_scatter")), async_op)
 
     def gather_shards(self, group: Any, async_op: bool = False, what: str = "") -> None:
         """Stage 3: all-gather a flat group's shards into its full buffer (``FlatGroup.open_for_gather``
@@ -401,21 +437,23 @@ class Comm:
         self.counter.add("all_gather", full.numel() * full.element_size() * (n - 1) / n, self.label)
         chunks = full.chunk(n)
         form = self.form()
+        copies = None
         if form == "all_to_all" and n == 2:  # an exchange, in place: mine there, the peer's here
             peer, splits = self._pair(chunks[0].numel())
             works = [dist.all_to_all_single(chunks[peer], chunks[self.rank], output_split_sizes=splits,
                                             input_split_sizes=splits, group=self.group, async_op=True)]
         elif form == "all_to_all":  # this rank's chunk to every rank, theirs into their places
-            copies = SCRATCH.take(full.numel(), full.dtype, full.device)
+            copies = self.scratch.take(full.numel(), full.dtype, full.device)
             copies.view(n, -1).copy_(chunks[self.rank].expand(n, -1))
             works = [dist.all_to_all_single(full, copies, group=self.group, async_op=True)]
-            then = _chain(lambda: SCRATCH.give_back(copies), then)  # the copies live until the work is done
+            then = _chain(lambda: self.scratch.give_back(copies), then)  # the copies live until the work is done
         elif form == "per_owner":
             works = [dist.broadcast(c, src=self.global_ranks[i], group=self.group, async_op=True)
                      for i, c in enumerate(chunks)]
         else:
             works = [_ALL_GATHER(full, chunks[self.rank], group=self.group, async_op=True)]
-        return self._finish(self._handle(works, then, f"all_gather of {what}" if what else "all_gather"), async_op)
+        handle = self._handle(works, then, f"all_gather of {what}" if what else "all_gather")
+        return self._finish(self._lending(copies, handle), async_op)
 
     def all_gather_ints(self, values: list[int], async_op: bool = False):
         """Every rank's short list of ints (same length on every rank), in rank order;
@@ -465,6 +503,12 @@ class Comm:
         """Broadcast ``tensor`` from group rank ``src_rank`` (used at start-up, not counted)."""
         if self.world_size > 1:
             dist.broadcast(tensor, src=self.global_ranks[src_rank], group=self.group)
+
+    def _lending(self, borrowed: Optional[torch.Tensor], handle: Handle) -> Handle:
+        """``handle``, recorded as the operation holding ``borrowed`` (a scratch buffer, if any)."""
+        if borrowed is not None:
+            self.scratch.held_by(borrowed, handle)
+        return handle
 
     def _handle(self, works: list, then: Optional[Callable[[], None]] = None, kind: str = "") -> Handle:
         """A handle on ``works``; where ``watched`` its wait is the hang detection's (``health``),

@@ -219,7 +219,9 @@ class ZeroEngine(EngineAPI, nn.Module):
         for g in self.trainable:
             g.allocate_gradients(keep_full=self.policy.full_gradient_buffer,
                                  dtype=self.precision.grad_dtype(g.dtype))
-        self.reducer = GradReducer(self.comm, self.trainable, self.policy, self.precision,
+        # stage 3: the reductions take turns with the units' all-gathers for one scratch buffer
+        reducing = self.sharded.comm if self.sharded is not None else self.comm
+        self.reducer = GradReducer(reducing, self.trainable, self.policy, self.precision,
                                    reduce_scatter=self.zero_config.reduce_scatter,
                                    overlap_comm=self.overlap_comm, replicas=self.replica_comm)
 

@@ -80,6 +80,7 @@ class EngineAPI:
         returned. Call it between steps, not between a forward and its backward."""
         if self.sharded is not None:
             self.sharded.release_all(forget_uses=True)
+            self.sharded.scratch.release()
         SCRATCH.release()
         device.empty_cache(self.device)
 

@@ -91,7 +91,8 @@ def measure_model_states(engine: MeasuredEngine) -> dict[str, int]:
     out["gradient_buckets"] = engine.reducer.bucket_bytes()
     out["gradient_buckets_peak"] = engine.reducer.peak_bucket_bytes
     out["gathered_parameters_peak"] = engine.sharded.peak_gathered_bytes if engine.sharded is not None else 0
-    out["collective_buffers"] = SCRATCH.held_bytes
+    out["collective_buffers"] = SCRATCH.held_bytes + (engine.sharded.scratch.held_bytes
+                                                      if engine.sharded is not None else 0)
     out["model_states"] = (out["parameters"] + out["gradients"] + out["master_weights"]
                            + out["optimizer_states"])
     off = getattr(engine, "offload", None)

@@ -228,11 +228,11 @@ class GradReducer:
                 g.add_to_grad_shard(g.shard_of(buf))
             self._buckets.pop(t, None)
         extra = {} if out is None else {"out": out}
-        self._handles.append(collective(buf, async_op=self.overlap_comm, then=then, **extra))
-        # bound the buckets alive at once: wait for the oldest beyond MAX_BUCKETS_IN_FLIGHT
+        # bound the reductions in flight (and the scratch buffers they hold): wait for the oldest first
         self._handles = [h for h in self._handles if not h.done]
-        if len(self._handles) > MAX_BUCKETS_IN_FLIGHT:
+        while len(self._handles) >= MAX_BUCKETS_IN_FLIGHT:
             self._handles.pop(0).wait()
+        self._handles.append(collective(buf, async_op=self.overlap_comm, then=then, **extra))
 
 
 def _new_bucket(g: FlatGroup, dtype: torch.dtype) -> torch.Tensor:

@@ -12,7 +12,8 @@ methods below, as it talks to the gradient reducer (``reduce.py``) through its o
 * the resets: :meth:`backward_ended` (autograd finished a backward: release every unit),
   :meth:`release_all` (``empty_partition_cache``; a checkpoint load), :meth:`held` (every unit
   gathered for a whole pipeline step);
-* what others read: ``units`` (for tests and tools), ``agreement``, ``peak_gathered_bytes``,
+* what others read: ``units`` (for tests and tools), ``comm`` (the collectives of its units, for
+  the stage-3 reductions) and its ``scratch``, ``agreement``, ``peak_gathered_bytes``,
   ``gather_wait_s``, :meth:`unit_sizes`, :meth:`invalidate` and ``recorded`` (DeepSpeed's
   ``param_coordinator`` that TRL resets after generation).
 """
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from torch import nn
 
+from .collectives import ScratchPool
 from .gather import (
     Prefetcher,
     Unit,
@@ -47,11 +49,19 @@ __all__ = ["ShardedParams"]
 class ShardedParams:
     """The units of a stage-3 model (``unit_plan``: ``[(name, module)]``, the root first) over
     ``groups`` (flat groups already sharded), gathered through ``comm``; ``on_unit_done(unit)`` is
-    called once backward has gone through a unit (after :meth:`unit_done`)."""
+    called once backward has gone through a unit (after :meth:`unit_done`).
+
+    ``comm`` is the group's collectives borrowing from the object's own ``scratch``: one buffer,
+    sized to the largest unit, for gloo's all-to-all forms (an all-gather's copies of this
+    rank's shard, a reduce-scatter's received chunks). The units' all-gathers and, given this
+    ``comm``, the engine's stage-3 reductions take turns with it, so a rank holds one such
+    buffer, not one per operation in flight (each one overlaps a unit's computation still)."""
 
     def __init__(self, model: nn.Module, unit_plan: list, groups: "list[FlatGroup]", comm: "Comm",
                  zero_config: "ZeroConfig", on_unit_done: Callable[[Unit], None]) -> None:
-        self.units = [Unit(u, name, mod, [g for g in groups if g.unit == u], comm)
+        self.scratch = ScratchPool(capacity=1)
+        self.comm = comm.using(self.scratch)
+        self.units = [Unit(u, name, mod, [g for g in groups if g.unit == u], self.comm)
                       for u, (name, mod) in enumerate(unit_plan)]
         mark_leaf_parameters(model)
         zc = zero_config
@@ -123,6 +133,7 @@ class ShardedParams:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self.scratch.release()
 
     # -- what others read ----------------------------------------------------------------------
 
