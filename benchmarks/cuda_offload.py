@@ -87,7 +87,7 @@ def masters(engine) -> dict[str, torch.Tensor]:
     out = {}
     for g in engine.trainable:
         with g.swapped_in():
-            flat = (g.master if g.master is not None else g.shard).detach().float().cpu().clone()
+            flat = (g.optim.master if g.optim.master is not None else g.shard).detach().float().cpu().clone()
         for i, slot in enumerate(g.slots):
             out[slot.name] = g.view(flat, i)
     return out

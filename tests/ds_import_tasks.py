@@ -44,7 +44,7 @@ def gathered_states(engine) -> dict[str, dict[str, torch.Tensor]]:
         for key in ("exp_avg", "exp_avg_sq"):
             full = torch.zeros(g.padded_numel)
             if g.partitions > 1 or engine.dp_rank == 0:
-                for pc, pp in zip(g.pieces, g.piece_params):
+                for pc, pp in zip(g.pieces, g.optim.leaves):
                     st = engine.optimizer.state.get(pp)
                     if st:
                         lo = g.shard_lo + pc.shard_lo

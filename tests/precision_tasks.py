@@ -140,7 +140,7 @@ def gathered_masters(engine) -> dict[str, torch.Tensor]:
     group = engine.comm.group
     for g in engine.trainable:
         with g.swapped_in():  # disk offload: read from its file
-            master = g.master.clone() if g.master is not None else g.shard.float()
+            master = g.optim.master.clone() if g.optim.master is not None else g.shard.float()
         if g.partitions > 1:
             parts = [torch.empty_like(master) for _ in range(g.partitions)]
             dist.all_gather(parts, master.contiguous(), group=group)
@@ -318,7 +318,7 @@ def casting_task(group, stage: int, dtype: str) -> dict:
     result = {"param_dtypes": dtypes, "out_dtype": str(out.dtype),
               "buffer_dtypes": {n: str(b.dtype) for n, b in model.named_buffers()},
               "bn_stats_moved": not torch.equal(mean_before, model.bn.running_mean),
-              "masters": sorted(str(g.master.dtype) for g in engine.trainable if g.master is not None),
+              "masters": sorted(str(g.optim.master.dtype) for g in engine.trainable if g.optim.master is not None),
               "memory": engine.memory_breakdown()}
     engine.destroy()
     return result

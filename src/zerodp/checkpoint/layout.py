@@ -40,6 +40,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from ..core.flat import FlatGroup, Piece
+from ..core.optim_shard import leaves_of, values_of
 from ..core.view import CheckpointView
 from .state import encode
 from .tensorfile import TensorSpec, dtype_name
@@ -147,7 +148,7 @@ class RankPlan:
             if lo >= hi:
                 continue
             pieces = g.pieces_in(lo, hi)
-            local = {pc.slot: (pc, pp) for pc, pp in zip(g.pieces, g.piece_params)} if g.trainable else {}
+            local = {pc.slot: (pc, pp) for pc, pp in zip(g.pieces, leaves_of(g)) if pp is not None}
             states, offsets = [], []
             for sp in pieces:
                 pc_pp = local.get(sp.slot)
@@ -157,8 +158,8 @@ class RankPlan:
             part = _Part(g, lo, hi, pieces, states, offsets)
             self._collect_keys(part)
             self.parts.append(part)
-            best = g.master if g.master is not None else g.shard
-            if g.master_page is None and g.shard_page is None:
+            best = values_of(g)
+            if not g.paged:
                 self._add(f"g{g.index}.value", best[lo - g.shard_lo:hi - g.shard_lo])
             else:  # disk offload: read from the tile's file while written
                 self._add_parts(f"g{g.index}.value", best.dtype, hi - lo,

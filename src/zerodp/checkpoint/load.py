@@ -28,6 +28,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..core.optim_shard import leaves_of, values_of
 from ..core.view import CheckpointView
 from .coord import Coordinator
 from .layout import FORMAT, loose_parameters, model_aliases, persistent_buffers, rank_file, rank_json
@@ -336,9 +337,8 @@ def _check_optimizer(view: CheckpointView, src: Source) -> None:
 def _read_plan(view: CheckpointView, src: Source, mapping: dict[str, str], with_optimizer: bool) -> _Plan:
     plan, reads, split_reads = _Plan(), [], []
     for g in view.flat_groups:
-        value_dtype = torch.float32 if g.master is not None else g.dtype
-        pps = g.piece_params if g.trainable else [None] * len(g.pieces)
-        for pc, pp in zip(g.pieces, pps):
+        value_dtype = values_of(g).dtype
+        for pc, pp in zip(g.pieces, leaves_of(g)):
             slot = g.slots[pc.slot]
             if slot.name not in mapping:
                 continue
@@ -437,11 +437,12 @@ def load_into_engine(view: CheckpointView, src: Source, *, strict: bool = True,
             values.setdefault(g.index, []).append((pc, value))
         for g in view.flat_groups:
             with g.swapped_in():  # disk offload: one read and write of the tile
-                target = g.master if g.master is not None else g.shard
+                target = values_of(g)
                 for pc, value in values.get(g.index, ()):
                     target[pc.shard_lo:pc.shard_hi].copy_(value)
-                g.write_back_master()
-                if with_optimizer and g.master_page is not None:  # the loaded states go to the file
+                if g.optim is not None:
+                    g.optim.write_back()
+                if with_optimizer and g.optim is not None and g.optim.page is not None:  # states to the file
                     view.offload.adopt_states(g, view.optimizer)
             if not g.shards_parameters and g.partitions > 1:
                 view.comm.all_gather(g.full)

@@ -161,7 +161,7 @@ class Staging:
         parts = {spec.name: list(plan.parts_of(spec.name)) for spec in plan.specs}
         self._groups = plan.view.flat_groups
         for g in self._groups:  # stage 3 keeps each shard's storage while gathered until copied
-            g.shard_being_copied = True
+            g.copying_shard(True)
         on_gpu = any(p.device.type == "cuda" for ps in parts.values() for p in ps)
         views = self._views(plan, on_gpu)
         work = [(parts[name], views[name]) for name in views]
@@ -204,7 +204,7 @@ class Staging:
         finally:
             self._pending = []
             for g in self._groups:
-                g.shard_being_copied = False
+                g.copying_shard(False)
             self._copied.set()
 
     def wait_copied(self) -> None:
@@ -234,7 +234,7 @@ class _Job:
         self.save_dir, self.tag, self.save_latest = save_dir, tag, save_latest
         self.partial = save_dir / f".{tag}.partial"
         self.staging = staging
-        paged = any(g.master_page is not None or g.shard_page is not None for g in plan.view.flat_groups)
+        paged = any(g.paged for g in plan.view.flat_groups)
         self.staged = staging.start(plan, copy_now=paged) if staging is not None else None
         self._plan = None if staging is not None else plan
         self.nbytes = sum(s.nbytes for s in plan.specs)

@@ -66,6 +66,7 @@ from .gather import Unit, plan_units, register_params
 from .init_shards import has_no_values, init_shard, prepare_for_sharding
 from .leaves import apply_leaf_config
 from .norm import global_norm_and_usage
+from .optim_shard import OptimizerShard
 from .plain_loop import PlainLoop
 from .precision import LossScaler, PrecisionPolicy
 from .reduce import GradReducer
@@ -265,8 +266,7 @@ class ZeroEngine(EngineAPI, nn.Module):
             if self.offload is not None:
                 pieces = self.offload.make_pieces(g)
             else:
-                pieces = g.make_piece_params(g.make_master() if self.precision.keeps_master(g.dtype)
-                                             else g.shard)
+                pieces = OptimizerShard.on_device(g, self.precision.keeps_master(g.dtype)).leaves
             pieces_by_group[g.param_group].extend(pieces)
         self.optimizer = build_optimizer(self.config, groups, pieces_by_group, optimizer)
         self.optimizer.overflow = False  # DeepSpeed's flag, set by each update (fp16: the step was skipped)
@@ -501,11 +501,11 @@ class ZeroEngine(EngineAPI, nn.Module):
             for g, u, grad in zip(self.trainable, used, grads):
                 if coef < 1.0:
                     grad.mul_(coef)
-                g.attach_piece_grads(u, grad)
+                g.optim.attach_grads(u, grad)
             # the class's step: the instance's is optimizer.step() of plain loops
             type(self.optimizer).step(self.optimizer)
             for g in self.trainable:
-                g.write_back_master()
+                g.optim.write_back()
         self.optimizer._opt_called = True  # what torch's scheduler checks (its wrapper is on the instance's step)
         if self.policy.gather_after_step:
             handles = [self.comm.all_gather(g.full, async_op=True) for g in self.trainable]
@@ -522,7 +522,7 @@ class ZeroEngine(EngineAPI, nn.Module):
         grads = []
         for g in self.trainable:
             grad = g.grad_shard
-            if g.master is not None and grad.dtype != torch.float32:
+            if g.optim.master is not None and grad.dtype != torch.float32:
                 grad = grad.to(torch.float32)
             if divisor != 1.0:
                 grad.mul_(1.0 / divisor)
@@ -540,8 +540,7 @@ class ZeroEngine(EngineAPI, nn.Module):
         ``set_to_none=False`` at stages 0-1 zeros (views of the zeroed gradient buffer)."""
         for g in self.trainable:
             g.zero_gradients(keep_views=not set_to_none)
-            for pp in g.piece_params:
-                pp.grad = None
+            g.optim.clear_grads()
         self.reducer.clear_usage()
 
     def destroy(self) -> None:

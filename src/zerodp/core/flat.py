@@ -15,11 +15,9 @@ The group also keeps, as the stage policy decides (see ``stages.py``):
 * ``grad_shard``: this rank's gradient shard (a view into ``grad_full`` at stages 0-1; at
   stages 2-3 its own buffer, made by the first reduction of a step and freed after the
   update, so between steps no gradient memory is held, as with ``zero_grad(set_to_none=True)``);
-* ``master``: under mixed precision, an fp32 copy of this rank's shard of the 16-bit
-  parameters, which the optimizer updates (``None`` in fp32 training);
-* ``pieces``: for each parameter that overlaps this rank's shard, a leaf tensor that
-  aliases that part of the shard. The optimizer sees these, so each parameter keeps its
-  own optimizer state and step count, exactly as an unsharded optimizer would.
+* ``pieces``: where each parameter that overlaps this rank's shard lies in it. What the
+  optimizer updates over them (an fp32 master, one leaf tensor per piece) is the group's
+  ``optim`` (``optim_shard.py``).
 
 ``index()`` records where every parameter lives (group, offset, shape), which is what
 world-size-independent checkpoints need.
@@ -34,6 +32,7 @@ replicated (every rank the same), which the gradient norm needs.
 from __future__ import annotations
 
 import contextlib
+import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -45,20 +44,21 @@ from .packed import empty_like_packed, is_packed
 
 ALIGN_BYTES = 16
 
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover - a torch without DTensor has no tensor parallelism either
-    DTensor = ()
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a ``DTensor``. torch's DTensor package is not imported for this (it costs
+    about 40 MiB of memory per process): while nothing imported it, no tensor is one."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's tensor of ``t``: the local tensor of a ``DTensor``, else ``t`` itself."""
-    return t._local_tensor if isinstance(t, DTensor) else t
+    return t._local_tensor if is_dtensor(t) else t
 
 
 def bind_local(p: nn.Parameter, view: torch.Tensor) -> None:
     """Make ``view`` the storage of ``p``'s values (its local tensor, for a ``DTensor``)."""
-    if isinstance(p, DTensor):
+    if is_dtensor(p):
         p._local_tensor = view
     else:
         p.data = view
@@ -69,7 +69,7 @@ def grad_local(p: nn.Parameter) -> torch.Tensor:
     autograd produced in another layout than the parameter's (an embedding split over the
     vocabulary gets a replicated gradient) is redistributed to the parameter's first."""
     g = p.grad
-    if isinstance(g, DTensor):
+    if is_dtensor(g):
         if g.placements != p.placements:
             g = g.redistribute(p.device_mesh, p.placements)
         return g._local_tensor
@@ -80,13 +80,14 @@ def set_param_data(p: nn.Parameter, new: torch.Tensor) -> None:
     """``p.data = new``, which for a ``DTensor`` changes the wrapper (its dtype) but not the local
     tensor it wraps: that is set too."""
     p.data = new
-    if isinstance(p, DTensor):
+    if is_dtensor(p):
         p._local_tensor = new._local_tensor
 
 
 def grad_like(p: nn.Parameter, local: torch.Tensor) -> torch.Tensor:
     """A gradient for ``p`` whose values are ``local`` (a ``DTensor`` laid out as ``p`` is)."""
-    if isinstance(p, DTensor):
+    if is_dtensor(p):
+        from torch.distributed.tensor import DTensor
         return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
                                   shape=p.shape, stride=p.stride())
     return local
@@ -163,11 +164,11 @@ class FlatGroup:
 
         self._own_shard: Optional[torch.Tensor] = None  # stage 3: this rank's persistent shard
         self._shard_in_full = False  # stage 3, gathered: the own shard's values are only in full
-        self.shard_being_copied = False  # an asynchronous checkpoint copy reads the shard: keep it
+        self._shard_being_copied = False  # an asynchronous checkpoint copy reads the shard: keep it
         self._pending = None  # a stage-3 all-gather in flight (prefetch)
         self.replaced: dict[int, nn.Parameter] = {}
         if any(has_no_values(local_tensor(p)) for p in self.params):
-            if self.tp_split or any(isinstance(p, DTensor) for p in self.params):
+            if self.tp_split or any(is_dtensor(p) for p in self.params):
                 raise ValueError("a tensor-parallel model cannot be on the meta device: build it with values "
                                  "(zero.Init or a meta-device model is for data parallelism alone)")
             self._adopt_meta_params()
@@ -183,10 +184,8 @@ class FlatGroup:
         self.grad_full: Optional[torch.Tensor] = None
         self.grad_shard: Optional[torch.Tensor] = None
         self.grad_dtype: torch.dtype = self.dtype
-        self.master: Optional[torch.Tensor] = None  # fp32 copy of the shard (mixed precision)
-        self.master_page: Optional[Any] = None  # disk offload: the file master and states live in
         self.shard_page: Optional[Any] = None   # stage-3 parameter offload to disk: the shard's file
-        self.piece_params: list[nn.Parameter] = []
+        self.optim: Optional[Any] = None  # what the optimizer updates (``optim_shard.OptimizerShard``)
 
     def _adopt_meta_params(self) -> None:
         """Parameters built on the meta device or kept as ``zero.Init`` slices hold no data: replace
@@ -306,7 +305,7 @@ class FlatGroup:
         which the next gather fills again. A ``DTensor`` (tensor parallelism) keeps its view: its
         shape is its own metadata, not its local tensor's."""
         for p in self.params:
-            if not isinstance(p, DTensor):
+            if not is_dtensor(p):
                 p.data = self._empty
 
     def _take_back_own_shard(self) -> None:
@@ -330,7 +329,7 @@ class FlatGroup:
             page.page_in()
             self.shard_of(self.full).copy_(self._own_shard)
             page.page_out(write=False)
-        elif self._own_shard.device == self.full.device and not self.shard_being_copied:
+        elif self._own_shard.device == self.full.device and not self._shard_being_copied:
             # while gathered, this rank's values live in full alone: the shard's storage is
             # freed (its identity kept: optimizer pieces alias it) and refilled by release()
             self.shard_of(self.full).copy_(self._own_shard)
@@ -435,34 +434,16 @@ class FlatGroup:
         target.add_(grad_local(p))
         p.grad = grad_like(p, target) if buffer is self.grad_full and target.dtype == p.dtype else None
 
-    # -- fp32 master weights (mixed precision) -----------------------------------------
-
-    def make_master(self) -> torch.Tensor:
-        """An fp32 copy of this rank's shard, which the optimizer updates when the parameters
-        are 16-bit; ``write_back_master`` copies it into the parameter shard."""
-        self.master = self.shard.detach().to(torch.float32).clone()
-        return self.master
-
-    def write_back_master(self) -> None:
-        """Round the updated fp32 master into this rank's 16-bit parameter shard."""
-        if self.master is not None:
-            with self.swapped_in():
-                self.shard.copy_(self.master)
-
-    def refresh_master(self) -> None:
-        """Take the master from the parameter shard again (after parameters were overwritten)."""
-        if self.master is not None:
-            with self.swapped_in():
-                self.master.copy_(self.shard)
+    # -- disk offload --------------------------------------------------------------------
 
     @contextlib.contextmanager
     def swapped_in(self):
-        """With disk offload, the master and optimizer states (and with parameter offload to
-        disk, the parameter shard) are in memory inside this context: read from their files,
-        written back after. Otherwise nothing happens."""
+        """With disk offload, the optimizer's master and states (``optim.page``) and with parameter
+        offload to disk the parameter shard (``shard_page``) are in memory inside this context:
+        read from their files, written back after. Otherwise nothing happens."""
         paged_in = []
         try:
-            for page in (self.master_page, self.shard_page):
+            for page in (self.optim.page if self.optim is not None else None, self.shard_page):
                 if page is None:
                     continue
                 if page.resident:
@@ -475,21 +456,17 @@ class FlatGroup:
             for page in paged_in:
                 page.page_out(wait=True)
 
-    # -- optimizer pieces ---------------------------------------------------------------
+    # -- checkpoints -----------------------------------------------------------------------
 
-    def make_piece_params(self, master_shard: torch.Tensor) -> list[nn.Parameter]:
-        """Leaf tensors aliasing each piece of ``master_shard``: what the optimizer updates."""
-        self.piece_params = [nn.Parameter(master_shard[pc.shard_lo:pc.shard_hi], requires_grad=True)
-                             for pc in self.pieces]
-        return self.piece_params
+    @property
+    def paged(self) -> bool:
+        """Whether some of the group's values live in files (disk offload of optimizer or parameters)."""
+        return self.shard_page is not None or (self.optim is not None and self.optim.page is not None)
 
-    def attach_piece_grads(self, used: list[bool], grad: Optional[torch.Tensor] = None) -> None:
-        """Point each piece's ``.grad`` at its part of ``grad`` (default ``grad_shard``; an
-        fp32 copy under mixed precision); ``None`` where the parameter got no gradient on any
-        rank (the optimizer then skips it, as unsharded PyTorch does)."""
-        grad = self.grad_shard if grad is None else grad
-        for pc, pp in zip(self.pieces, self.piece_params):
-            pp.grad = grad[pc.shard_lo:pc.shard_hi] if used[pc.slot] else None
+    def copying_shard(self, on: bool) -> None:
+        """An asynchronous checkpoint copy reads the shard (``on``) or is done: while it reads,
+        a stage-3 gather keeps the shard's own storage instead of moving its values into ``full``."""
+        self._shard_being_copied = on
 
     def index_entries(self) -> dict[str, dict]:
         """Parameter name -> where it lives: group, offset, numel, shape."""

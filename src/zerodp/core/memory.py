@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Optional, Protocol
 import torch
 
 from .collectives import SCRATCH
+from .optim_shard import master_of
 
 if TYPE_CHECKING:
     from ..config import ZeroConfig
@@ -78,8 +79,8 @@ def measure_model_states(engine: MeasuredEngine) -> dict[str, int]:
             out["gathered_parameters"] += g.full.untyped_storage().nbytes()
     for g in engine.trainable:
         out["gradients"] += g.grad_bytes
-        if g.master is not None:
-            out["master_weights"] += _nbytes(g.master)  # offloaded to disk: its size in the file
+        if master_of(g) is not None:
+            out["master_weights"] += _nbytes(master_of(g))  # offloaded to disk: its size in the file
     for group in engine.optimizer.param_groups:
         for p in group["params"]:
             for value in engine.optimizer.state.get(p, {}).values():

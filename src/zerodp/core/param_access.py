@@ -38,6 +38,7 @@ import torch
 
 from . import live
 from .flat import FlatGroup, Piece
+from .optim_shard import master_of, values_of
 
 if TYPE_CHECKING:
     from .collectives import Comm
@@ -120,7 +121,7 @@ def _locate(param: torch.Tensor) -> Optional[_Found]:
                 return None
             for k, pc in enumerate(g.pieces):
                 if pc.slot == slot:
-                    leaf = g.piece_params[k] if k < len(g.piece_params) else None
+                    leaf = g.optim.leaves[k] if g.optim is not None else None
                     return _Found(ParamAccess(engine), g, slot, pc, leaf)
             return _Found(ParamAccess(engine), g, slot, None, None)
     return None
@@ -128,7 +129,7 @@ def _locate(param: torch.Tensor) -> Optional[_Found]:
 
 def _fp32_values(g: FlatGroup) -> torch.Tensor:
     """This rank's shard of fp32 values: the master, or the parameter shard in fp32 training."""
-    return g.master if g.master is not None else g.shard
+    return values_of(g)
 
 
 def _full(f: _Found, part: Optional[torch.Tensor], flags: tuple[float, ...] = ()) -> tuple[torch.Tensor, list[float]]:
@@ -167,7 +168,7 @@ def _write_fp32(f: _Found, part: torch.Tensor) -> None:
     """Write this rank's piece of the fp32 values and of the parameter shard."""
     with torch.no_grad():
         f.part(_fp32_values(f.g)).copy_(part)
-        if f.g.master is not None:
+        if master_of(f.g) is not None:
             f.part(f.g.shard).copy_(part)
 
 

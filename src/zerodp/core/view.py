@@ -56,7 +56,7 @@ class CheckpointView:
 
     @property
     def optimizer(self) -> "torch.optim.Optimizer":
-        """The optimizer over this rank's pieces (``piece_params`` of the trainable groups)."""
+        """The optimizer over this rank's pieces (the ``optim.leaves`` of the trainable groups)."""
         return self._engine.optimizer
 
     @property

@@ -29,6 +29,7 @@ import torch
 
 from ..core.device import CopiesDone, host_empty
 from ..core.flat import FlatGroup
+from ..core.optim_shard import OptimizerShard
 from .host import check_host_budget
 from .swap import PagedTensors, SwapDir
 
@@ -78,14 +79,12 @@ class OptimizerOffload:
         master = torch.empty(g.shard_numel, dtype=torch.float32)
         with g.swapped_in():  # parameter shards on disk: read for this
             master.copy_(g.shard)
-        g.master = master
-        pieces = g.make_piece_params(master)
+        shard = OptimizerShard(g, master)
         if self.kind == "nvme":
-            page = PagedTensors(self.swap, f"g{g.index}")
-            page.add(master)
-            g.master_page = page
-            page.page_out(wait=True)
-        return pieces
+            shard.page = PagedTensors(self.swap, f"g{g.index}")
+            shard.page.add(master)
+            shard.page.page_out(wait=True)
+        return shard.leaves
 
     # -- the step -------------------------------------------------------------------------
 
@@ -104,8 +103,8 @@ class OptimizerOffload:
                 if k + 1 < len(groups):
                     pending = self._fetch(k + 1)
                 copied.wait()
-                if g.master_page is not None:
-                    g.master_page.wait()
+                if g.optim.page is not None:
+                    g.optim.page.wait()
                     self._note_resident(k)
                 grad = grad_host
                 if grad.dtype != torch.float32:
@@ -115,37 +114,33 @@ class OptimizerOffload:
                     grad.mul_(1.0 / divisor)
                 if coef < 1.0:
                     grad.mul_(coef)
-                g.attach_piece_grads(used[k], grad)
+                g.optim.attach_grads(used[k], grad)
                 for gi, grp in enumerate(optimizer.param_groups):
-                    grp["params"] = g.piece_params if gi == g.param_group else []
+                    grp["params"] = g.optim.leaves if gi == g.param_group else []
                 type(optimizer).step(optimizer)
-                for pp in g.piece_params:
-                    pp.grad = None
+                g.optim.clear_grads()
                 self._send_back(k, g)
-                if g.master_page is not None:
+                if g.optim.page is not None:
                     self.adopt_states(g, optimizer)
-                    g.master_page.page_out()
+                    g.optim.page.page_out()
         finally:
             for grp, params in zip(optimizer.param_groups, saved):
                 grp["params"] = params
             self._wait_sent()
-            for g in groups:
-                for page in (g.master_page, g.shard_page):
-                    if page is not None:
-                        page.wait()
+            self._wait_pages()
 
     def _note_resident(self, k: int) -> None:
         """Disk offload: track the most bytes of tiles in memory at once (the one being written
         back, this one, the one read ahead)."""
         near = self.groups[max(0, k - 1):k + 2]
-        now = sum(t.untyped_storage().nbytes() for g in near for t in g.master_page.tensors)
+        now = sum(t.untyped_storage().nbytes() for g in near for t in g.optim.page.tensors)
         self.peak_resident_bytes = max(self.peak_resident_bytes, now)
 
     def _fetch(self, k: int) -> tuple[torch.Tensor, CopiesDone]:
         """Start moving tile ``k``'s gradient shard to the host (and, on disk, its states in)."""
         g = self.groups[k]
-        if g.master_page is not None:
-            g.master_page.page_in(wait=False)
+        if g.optim.page is not None:
+            g.optim.page.page_in(wait=False)
         stage = _as(self._grad_stage[k % 2], g.grad_shard.dtype, g.shard_numel)
         stage.copy_(g.grad_shard, non_blocking=self.pin)
         return stage, CopiesDone(self.device)
@@ -156,7 +151,7 @@ class OptimizerOffload:
         if self._param_sent[slot] is not None:
             self._param_sent[slot].wait()  # the buffer's previous copy (tile k - 2) is done
         out = _as(self._param_stage[slot], g.shard.dtype, g.shard_numel)
-        out.copy_(g.master)
+        out.copy_(g.optim.master)
         page = g.shard_page
         if page is not None:  # parameter shard on disk: overwritten whole, then written back
             page.page_in(read=False)
@@ -179,7 +174,7 @@ class OptimizerOffload:
         tensors (made on the first step, kept in the tile's file) and make the optimizer's state
         entries views of them. Scalars (Adam's step count) stay in memory."""
         flats = self._state_flats[g.index]
-        for pc, pp in zip(g.pieces, g.piece_params):
+        for pc, pp in zip(g.pieces, g.optim.leaves):
             st = optimizer.state.get(pp)
             if not st:
                 continue
@@ -189,7 +184,7 @@ class OptimizerOffload:
                 flat = flats.get(key)
                 if flat is None:
                     flat = flats[key] = torch.zeros(g.shard_numel, dtype=v.dtype)
-                    g.master_page.add(flat)
+                    g.optim.page.add(flat)
                 view = flat[pc.shard_lo:pc.shard_hi]
                 if v.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
                     view.copy_(v.reshape(-1))
@@ -203,11 +198,14 @@ class OptimizerOffload:
         bufs = self._grad_stage + self._param_stage + [self._grad32]
         return sum(b.numel() * b.element_size() for b in bufs)
 
-    def close(self) -> None:
+    def _wait_pages(self) -> None:
         for g in self.groups:
-            for page in (g.master_page, g.shard_page):
+            for page in (g.optim.page if g.optim is not None else None, g.shard_page):
                 if page is not None:
                     page.wait()
+
+    def close(self) -> None:
+        self._wait_pages()
         if self.swap is not None:
             self.swap.close()
 

@@ -50,6 +50,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..core.flat import is_dtensor
+
 
 class TensorParallelError(ValueError):
     """A model or plan that cannot be split over the tensor-parallel ranks as asked."""
@@ -416,11 +418,7 @@ def apply_plan(model: nn.Module, plan: dict[str, Split], mesh) -> dict[str, Spli
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without DTensor
-        return False
-    return isinstance(t, DTensor)
+    return is_dtensor(t)  # without importing torch's DTensor package where nothing did
 
 
 def _tied_names(model: nn.Module) -> list[list[tuple[str, str]]]:
