@@ -420,20 +420,6 @@ class FlatGroup:
         for p in self.params:
             p.grad = None
 
-    def fold_param_grad_into(self, buffer: torch.Tensor, slot: int) -> None:
-        """Move ``params[slot].grad`` into ``buffer`` (a full-size gradient buffer).
-
-        Where ``.grad`` already is the view into ``buffer`` nothing moves; otherwise it is
-        added in (cast to the buffer's dtype) and ``.grad`` becomes that view again (stages
-        0-1, same dtype) or is dropped.
-        """
-        p = self.params[slot]
-        target = self.view(buffer, slot)
-        if p.grad is None or local_tensor(p.grad).data_ptr() == target.data_ptr():
-            return
-        target.add_(grad_local(p))
-        p.grad = grad_like(p, target) if buffer is self.grad_full and target.dtype == p.dtype else None
-
     # -- disk offload --------------------------------------------------------------------
 
     @contextlib.contextmanager

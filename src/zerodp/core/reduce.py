@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from .collectives import Comm, Handle
-from .flat import FlatGroup, grad_local
+from .flat import FlatGroup, grad_like, grad_local, local_tensor
 from .precision import PrecisionPolicy
 from .stages import StagePolicy
 
@@ -92,7 +92,7 @@ class GradReducer:
         self._used[t][i] = True
         if not self._reducing:
             if self.policy.full_gradient_buffer:
-                g.fold_param_grad_into(g.grad_full, i)
+                _fold_grad_into_full(g, i)
             return
         if self._seen[t][i]:
             raise RuntimeError(
@@ -194,7 +194,7 @@ class GradReducer:
         the full gradient buffer (stages 0-1), written into the bucket (stages 2-3)."""
         g = self.groups[t]
         if self.policy.full_gradient_buffer:
-            g.fold_param_grad_into(g.grad_full, i)
+            _fold_grad_into_full(g, i)
         else:
             _move_grad_into_bucket(g, self._grad_buffer(t), i)
 
@@ -233,6 +233,18 @@ class GradReducer:
         while len(self._handles) >= MAX_BUCKETS_IN_FLIGHT:
             self._handles.pop(0).wait()
         self._handles.append(collective(buf, async_op=self.overlap_comm, then=then, **extra))
+
+
+def _fold_grad_into_full(g: FlatGroup, slot: int) -> None:
+    """Move ``g.params[slot].grad`` into the group's full gradient buffer (stages 0-1). Where
+    ``.grad`` already is its view of the buffer nothing moves; otherwise it is added in (cast to
+    the buffer's dtype) and ``.grad`` becomes that view again (same dtype) or is dropped."""
+    p = g.params[slot]
+    target = g.view(g.grad_full, slot)
+    if p.grad is None or local_tensor(p.grad).data_ptr() == target.data_ptr():
+        return
+    target.add_(grad_local(p))
+    p.grad = grad_like(p, target) if target.dtype == p.dtype else None
 
 
 def _new_bucket(g: FlatGroup, dtype: torch.dtype) -> torch.Tensor:
