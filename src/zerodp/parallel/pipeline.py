@@ -78,11 +78,11 @@ class PipelineEngine(ZeroEngine):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
         if model.num_stages == 1:  # one stage: its micro-batches one after another (no schedule to run)
-            return [], _OneStage(model, self._loss, self._gas)
+            return [], _OneStage(model, self._loss, self.gradient_accumulation_steps())
         total = model.num_stages * model.virtual_stages
         stages = [PipelineStage(chunk, c, total, self.device, group=self.grid.pipe.group)
                   for chunk, c in zip(model.chunks, model.chunk_ids)]
-        n = self._gas
+        n = self.gradient_accumulation_steps()
         if self.schedule_name == "GPipe":
             return stages, ScheduleGPipe(stages[0], n, loss_fn=self._loss, scale_grads=False)
         if self.schedule_name == "1F1B":
@@ -99,7 +99,7 @@ class PipelineEngine(ZeroEngine):
 
     @property
     def _loss_factor(self) -> float:
-        return (self.loss_scaler.scale if self.loss_scaler is not None else 1.0) / self._gas
+        return (self.loss_scaler.scale if self.loss_scaler is not None else 1.0) / self.gradient_accumulation_steps()
 
     def _p2p_counter(self, chunk_id: int):
         """A forward hook counting the bytes this chunk sends: its output forward (but the last
@@ -136,7 +136,7 @@ class PipelineEngine(ZeroEngine):
     def bubble_fraction(self) -> float:
         """The share of a step each stage idles in the schedule's fill and drain (GPipe and 1F1B:
         (p - 1) / (m + p - 1); interleaved with v chunks per stage: (p - 1) / (v m + p - 1))."""
-        p, m, v = self.num_stages, self._gas, self.module.virtual_stages
+        p, m, v = self.num_stages, self.gradient_accumulation_steps(), self.module.virtual_stages
         return (p - 1) / (v * m + p - 1)
 
     def set_dataiterator(self, iterator: Iterator) -> None:
@@ -208,7 +208,7 @@ class PipelineEngine(ZeroEngine):
 
     def _next_batch(self, data_iter: Optional[Iterator], count: Optional[int] = None):
         """The step's inputs (first stage) and labels (last stage), each micro-batch's stacked."""
-        count = count or self._gas
+        count = count or self.gradient_accumulation_steps()
         if not (self.is_first_stage() or self.is_last_stage()):
             return (), None
         if data_iter is None:
