@@ -39,7 +39,7 @@ def available() -> int:
 def needed(model: str, world: int, stage: int, tp: int, pp: int, seq: int) -> int:
     """What the rank would allocate, by the estimate; with tensor parallelism, the rank's slice is
     built whole before initialize shards it (twice: the slice and the flat buffers)."""
-    from zerodp.tools.estimate import estimate
+    from zerodp.estimator import estimate
     e = estimate(MODELS[model], ranks_per_node=world, tp=tp, pp=pp, micro_batch=1, seq_len=seq)
     row = e.row(stage)
     if tp > 1:

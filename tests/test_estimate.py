@@ -9,8 +9,8 @@ import json
 import pytest
 
 import zerodp
+from zerodp.estimator import EstimateError, parse_count, parse_memory
 from zerodp.tools import cli
-from zerodp.tools.estimate import EstimateError, parse_count, parse_memory
 from zerodp.tools.memory_check import compare_with_engine, format_comparison
 
 GB = 10**9
@@ -403,9 +403,9 @@ def test_estimate_is_exported_and_not_shadowed_by_its_module():
 
 def test_a_pipeline_step_holds_its_stage_gathered_and_its_gradients_whole():
     """A pipeline step at stage 3 gathers its stage's parameters once for all its micro-batches, and
-    at stages 2-3 accumulates the stage's gradients whole before one reduction (parallel/pipeline.py;
+    at stages 2-3 accumulates the stage's gradients whole before one reduction (engine/pipeline.py;
     measured by ``zerodp simulate --pp``): beyond stage3_max_live_parameters for an 8B model."""
-    from zerodp.tools.estimate import estimate
+    from zerodp.estimator import estimate
     e = estimate("8B", ranks_per_node=64, pp=4, precision="bf16")
     share = e.model.params  # one stage's parameters
     assert share == 2 * 10**9

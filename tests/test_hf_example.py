@@ -131,7 +131,7 @@ def test_accelerate_launch_with_a_deepspeed_config(no_deepspeed_python, tmp_path
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
         assert (tmp_path / f"{name}.json").exists(), (proc.stdout + proc.stderr)[-5000:]
         found[name] = json.loads((tmp_path / f"{name}.json").read_text())
-    assert found["accelerate"]["engine"] == "zerodp.core.engine" and "DEEPSPEED" in found["accelerate"]["distributed"]
+    assert found["accelerate"]["engine"] == "zerodp.engine.engine" and "DEEPSPEED" in found["accelerate"]["distributed"]
     got, want = found["accelerate"]["loss"], found["plain"]["loss"]
     assert len(got) == 3 and all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got, want)), (got, want)
     assert found["accelerate"]["leaves"] == (["Qwen3MoeDecoderLayer", "Qwen3MoeSparseMoeBlock"] if moe else [])

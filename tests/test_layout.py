@@ -106,7 +106,7 @@ def describe(cycle: list[str], edges: dict[str, dict[str, int]], modules: dict[s
 
 def test_the_import_graph_has_no_cycle():
     modules = module_files()
-    assert f"{PACKAGE}.core.engine" in modules and f"{PACKAGE}.checkpoint.save" in modules
+    assert f"{PACKAGE}.engine.engine" in modules and f"{PACKAGE}.checkpoint.save" in modules
     edges = import_edges(modules)
     assert sum(map(len, edges.values())) > 50, "too few import edges found: the parser misses imports"
     cycle = find_cycle(edges)
@@ -114,11 +114,12 @@ def test_the_import_graph_has_no_cycle():
 
 
 def test_checkpoints_see_the_engine_only_through_its_view():
-    """``checkpoint/`` and ``core/view.py`` import neither ``core/engine.py`` nor
-    ``core/engine_api.py``, not even for annotations: a checkpoint is given a ``CheckpointView``."""
+    """``checkpoint/`` and ``core/view.py`` import nothing of ``engine/``, not even for
+    annotations: a checkpoint is given a ``CheckpointView``."""
     modules = module_files()
     edges = import_edges(modules)
-    engine = {f"{PACKAGE}.core.engine", f"{PACKAGE}.core.engine_api"}
+    engine = {m for m in modules if m == f"{PACKAGE}.engine" or m.startswith(f"{PACKAGE}.engine.")}
+    assert len(engine) >= 3
     importers = [m for m in modules if m == f"{PACKAGE}.checkpoint" or m.startswith(f"{PACKAGE}.checkpoint.")]
     importers.append(f"{PACKAGE}.core.view")
     found = [f"{m} imports {t} ({modules[m].relative_to(SRC)}:{edges[m][t]})"
@@ -169,19 +170,20 @@ def test_no_source_file_is_over_the_size_line():
     assert not over, "\n".join(over)
 
 
-#: the classes whose private members stay inside core/: the engine and the gradient reducer
-PRIVATE_OWNERS = {"core/engine.py": ("ZeroEngine",), "core/engine_api.py": ("EngineAPI",),
+#: the classes whose private members stay inside core/ and engine/: the engine and the gradient reducer
+PRIVATE_OWNERS = {"engine/engine.py": ("ZeroEngine",), "engine/engine_api.py": ("EngineAPI",),
                   "core/reduce.py": ("GradReducer",)}
 
 
-def private_members(path: Path, classes: tuple[str, ...]) -> set[str]:
-    """The ``_name`` attributes ``classes`` in ``path`` define: methods and ``self._name = ...``."""
+def private_members(path: Path, classes: tuple[str, ...], methods: bool = True) -> set[str]:
+    """The ``_name`` attributes ``classes`` in ``path`` define: methods (unless ``methods`` is
+    False) and ``self._name = ...``."""
     names = set()
     for node in ast.parse(path.read_text(encoding="utf-8")).body:
         if not (isinstance(node, ast.ClassDef) and node.name in classes):
             continue
         for sub in ast.walk(node):
-            if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef)) and methods:
                 names.add(sub.name)
             elif isinstance(sub, ast.Attribute) and isinstance(sub.ctx, ast.Store) \
                     and isinstance(sub.value, ast.Name) and sub.value.id == "self":
@@ -200,13 +202,13 @@ def private_reads(path: Path, names: set[str]) -> list[tuple[int, str]]:
     return found
 
 
-def test_nothing_outside_core_reads_the_engines_or_reducers_private_members():
+def test_nothing_outside_core_and_engine_reads_the_engines_or_reducers_private_members():
     pkg = SRC / PACKAGE
     names = set()
     for rel, classes in PRIVATE_OWNERS.items():
         names |= private_members(pkg / rel, classes)
     assert {"_checkpointer", "_apply_update"} <= names, "the collector misses the engine's private members"
-    found = findings(lambda path: private_reads(path, names), lambda rel: "core" in rel.split("/"))
+    found = findings(lambda path: private_reads(path, names), lambda rel: rel.split("/")[0] in ("core", "engine"))
     assert not found, "\n".join(found)
 
 
@@ -261,10 +263,9 @@ def test_the_unit_state_checker_sees_writes(tmp_path):
     assert state_writes(f, UNIT_STATE) == [(2, "unit.pins"), (3, "unit.pending_backward")]
 
 
-#: Library modules that still import ``zerodp.tools`` (the estimate and the metrics monitor that
-#: ``zerodp/__init__`` exports, and two entry points that hand over to the command line). No other
-#: module outside ``tools/`` may; none may import ``examples/``.
-IMPORTS_TOOLS_FOR_NOW = {"zerodp", "zerodp.launcher.runner", "zerodp.utils.zero_to_fp32"}
+#: Library modules that still import ``zerodp.tools``: two entry points that hand over to the command
+#: line. No other module outside ``tools/`` may; none may import ``examples/``.
+IMPORTS_TOOLS_FOR_NOW = {"zerodp.launcher.runner", "zerodp.utils.zero_to_fp32"}
 
 
 def test_the_library_does_not_import_the_tools_or_the_examples():
@@ -276,3 +277,137 @@ def test_the_library_does_not_import_the_tools_or_the_examples():
     tools = {m for m in outside for t in edges[m] if t.startswith("zerodp.tools")}
     assert tools <= IMPORTS_TOOLS_FOR_NOW, sorted(tools - IMPORTS_TOOLS_FOR_NOW)
     assert tools == IMPORTS_TOOLS_FOR_NOW, f"no longer importing tools/: {sorted(IMPORTS_TOOLS_FOR_NOW - tools)}"
+
+
+def package_of(module: str, package: str = PACKAGE) -> str:
+    """The node of ``module`` in the package graph: its first level under ``package``
+    (``zerodp.core.engine`` -> ``zerodp.core``; a top-level module such as ``zerodp.comm`` is
+    its own node; ``zerodp`` itself is the root)."""
+    return ".".join(module.split(".")[:2])
+
+
+def package_edges(edges: dict[str, dict[str, int]], package: str = PACKAGE) -> dict[str, dict[str, tuple]]:
+    """Package -> {package it imports: (one importing module, the module imported, line)}.
+
+    The root (``zerodp/__init__.py``) is left out of this graph: it gathers the public API and
+    imports from every package by design, and every module already runs it first (Python
+    initializes parent packages), so edges into or out of it say nothing about layering. The
+    module-level check above still sees them."""
+    out: dict[str, dict[str, tuple]] = {}
+    for importer, targets in edges.items():
+        a = package_of(importer, package)
+        for target, line in targets.items():
+            b = package_of(target, package)
+            if a != b and package not in (a, b):
+                out.setdefault(a, {}).setdefault(b, (importer, target, line))
+    for targets in list(out.values()):
+        for b in targets:
+            out.setdefault(b, {})
+    return out
+
+
+def test_no_package_imports_one_that_imports_it_back():
+    """The packages form layers: ``engine/`` over ``checkpoint/``, ``offload/`` and ``parallel/``,
+    those over ``core/``; a package cycle (core imports offload, which imports core) means neither
+    can be read, changed or tested without the other."""
+    modules = module_files()
+    graph = package_edges(import_edges(modules))
+    assert {f"{PACKAGE}.core", f"{PACKAGE}.engine", f"{PACKAGE}.checkpoint"} <= graph.keys()
+    cycle = find_cycle({a: dict.fromkeys(bs, 0) for a, bs in graph.items()})
+    if cycle is not None:
+        lines = [f"package cycle: {' -> '.join(cycle)}"]
+        for a, b in zip(cycle, cycle[1:]):
+            importer, target, line = graph[a][b]
+            lines.append(f"  {importer} imports {target}  ({modules[importer].relative_to(SRC)}:{line})")
+        raise AssertionError("\n".join(lines))
+
+
+def test_the_package_checker_finds_a_cycle_through_submodules(tmp_path):
+    pkg = tmp_path / "pkg"
+    for d in ("a", "b", "c"):
+        (pkg / d).mkdir(parents=True)
+        (pkg / d / "__init__.py").write_text("", encoding="utf-8")
+    (pkg / "__init__.py").write_text("from .a import x\n", encoding="utf-8")
+    (pkg / "a" / "x.py").write_text("from ..b import y\n", encoding="utf-8")
+    (pkg / "b" / "y.py").write_text("def f():\n    from pkg.a import z\n", encoding="utf-8")
+    (pkg / "a" / "z.py").write_text("from ..c import w\n", encoding="utf-8")
+    (pkg / "c" / "w.py").write_text("", encoding="utf-8")
+    modules = module_files(tmp_path, "pkg")
+    graph = package_edges(import_edges(modules, "pkg"), "pkg")
+    assert graph["pkg.a"].keys() == {"pkg.b", "pkg.c"} and graph["pkg.b"].keys() == {"pkg.a"}
+    assert "pkg" not in graph  # the root's own imports are not package edges
+    cycle = find_cycle({a: dict.fromkeys(bs, 0) for a, bs in graph.items()})
+    assert cycle is not None and set(cycle) == {"pkg.a", "pkg.b"}
+
+
+def base_private_reads(path: Path, modules: dict[str, Path], package: str = PACKAGE) -> list[tuple[int, str]]:
+    """``(line, text)`` for each ``self._name`` in a class of ``path`` whose base class is defined in
+    another module of the package (found through the file's ``from ... import`` of it), where
+    ``_name`` is private state of that base (``self._name = ...`` there) the subclass does not
+    assign itself: a subclass reaching into its base's state, which the base may change without
+    knowing. (A base's private methods are left to it and its subclasses: hooks and helpers
+    meant for them.)"""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    name = next(m for m, p in modules.items() if p == path)
+    is_package = path.name == "__init__.py"
+    imported: dict[str, str] = {}  # local name -> module that defines it
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = _resolve(name, is_package, node.level, node.module)
+            for alias in node.names:
+                if base in modules:
+                    imported[alias.asname or alias.name] = base
+    found = []
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+        inherited: set[str] = set()
+        for b in cls.bases:
+            if isinstance(b, ast.Name) and b.id in imported:
+                inherited |= _privates_up(modules[imported[b.id]], b.id, modules, package)
+        own = private_members(path, (cls.name,))
+        for node in ast.walk(cls):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self" \
+                    and node.attr in inherited - own:
+                found.append((node.lineno, f"self.{node.attr}"))
+    return found
+
+
+def _privates_up(path: Path, cls: str, modules: dict[str, Path], package: str) -> set[str]:
+    """``cls``'s private members and those of its bases defined in the package, transitively."""
+    names = private_members(path, (cls,), methods=False)
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    name = next(m for m, p in modules.items() if p == path)
+    local = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+    imported = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = _resolve(name, path.name == "__init__.py", node.level, node.module)
+            imported.update({a.asname or a.name: base for a in node.names if base in modules})
+    for b in local[cls].bases if cls in local else []:
+        if isinstance(b, ast.Name) and b.id in local:
+            names |= _privates_up(path, b.id, modules, package)
+        elif isinstance(b, ast.Name) and b.id in imported:
+            names |= _privates_up(modules[imported[b.id]], b.id, modules, package)
+    return names
+
+
+def test_no_subclass_reads_its_base_classes_private_members():
+    modules = module_files()
+    found = findings(lambda path: base_private_reads(path, modules), lambda rel: False)
+    assert not found, "\n".join(found)
+
+
+def test_the_subclass_checker_sees_inherited_private_reads(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("", encoding="utf-8")
+    (pkg / "base.py").write_text(
+        "class Root:\n    def __init__(self):\n        self._deep = 0\n"
+        "class Base(Root):\n    def __init__(self):\n        self._gas = 1\n    def _step(self):\n        pass\n",
+        encoding="utf-8")
+    (pkg / "sub.py").write_text(
+        "from .base import Base\n"
+        "class Sub(Base):\n    def __init__(self):\n        self._mine = 2\n"
+        "    def run(self):\n        return self._gas, self._mine, self._deep, self.public, self._step()\n",
+        encoding="utf-8")
+    modules = module_files(tmp_path, "pkg")
+    assert base_private_reads(pkg / "sub.py", modules, "pkg") == [(6, "self._gas"), (6, "self._deep")]

@@ -14,8 +14,9 @@ import pytest
 from monitor_tasks import build_model, make_config, train_and_record
 
 import zerodp
+from zerodp import monitor
 from zerodp.config import ConfigError, load_config
-from zerodp.tools import cli, monitor, plot, train
+from zerodp.tools import cli, plot, train
 
 MEM_KEYS = ("parameters", "gradients", "optimizer_states", "master_weights", "model_states")
 

@@ -31,14 +31,13 @@ from .comm import init_distributed
 from .config import PRESETS, Config, ConfigError, load_config, resolve_batch_sizes
 from .core import teardown
 from .core.data import DataLoader
-from .core.engine import ZeroEngine
 from .core.param_api import GatheredParameters, register_external_parameter
+from .engine import PipelineEngine, ZeroEngine
+from .estimator import estimate
+from .monitor import monitor_from_config
 from .parallel import tp_model_init
-from .parallel.pipeline import PipelineEngine
 from .pipe import PipelineModule
 from .runtime.zero import parameter_offload
-from .tools.estimate import estimate
-from .tools.monitor import monitor_from_config
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "CheckpointError", "GatheredParameters",
            "register_external_parameter", "ZeroEngine", "DeepSpeedEngine", "Config", "ConfigError",

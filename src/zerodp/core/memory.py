@@ -11,11 +11,10 @@ from typing import TYPE_CHECKING, Optional, Protocol
 import torch
 
 from .collectives import SCRATCH
-from .optim_shard import master_of
+from .optim_shard import HostOptimizer, master_of
 
 if TYPE_CHECKING:
     from ..config import ZeroConfig
-    from ..offload.optimizer import OptimizerOffload
     from .flat import FlatGroup
     from .reduce import GradReducer
     from .sharded import ShardedParams
@@ -35,7 +34,7 @@ class MeasuredEngine(Protocol):
     policy: "StagePolicy"                     # the stage table row of this engine
     sharded: "Optional[ShardedParams]"        # stage 3: the units (peak_gathered_bytes); None below
     zero_config: "ZeroConfig"
-    offload: "Optional[OptimizerOffload]"
+    offload: "Optional[HostOptimizer]"
     reducer: "GradReducer"                    # the gradient buckets alive now and their peak
 
 

@@ -17,7 +17,7 @@ own) and reaches it as ``group.optim``; the update is ``attach_grads``, the opti
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 from torch import nn
@@ -71,6 +71,20 @@ class OptimizerShard:
         if self.master is not None:
             with self.group.swapped_in():
                 self.master.copy_(self.group.shard)
+
+
+class HostOptimizer(Protocol):
+    """What the engine's parts read of the optimizer when it runs on the host or from disk
+    (``offload/optimizer.py``'s ``OptimizerOffload``, which the engine builds; declared here so
+    that ``core/`` does not import ``offload/``)."""
+
+    location: str             # "host" or "disk"
+    peak_resident_bytes: int  # disk: the most bytes of tiles in memory at once
+
+    @property
+    def buffer_bytes(self) -> int: ...
+
+    def adopt_states(self, g: FlatGroup, optimizer: torch.optim.Optimizer) -> None: ...
 
 
 def values_of(group: FlatGroup) -> torch.Tensor:

@@ -12,20 +12,20 @@ and the data position are changed through the objects the view hands out.
 RNG states are not here: they belong to the process (Python's, NumPy's and torch's global
 generators), and ``checkpoint/state.py`` captures and restores them directly.
 
-This module does not import the engine (``core/engine.py``, ``core/engine_api.py``): the
+This module does not import the engine (``engine/engine.py``, ``engine/engine_api.py``): the
 engine imports ``checkpoint/`` to save and load, and ``checkpoint/`` imports this view.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional
 
+from .optim_shard import HostOptimizer
 from .packed import packed_states, restore_packed_states
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from ..offload.optimizer import OptimizerOffload
     from .collectives import Comm
     from .flat import FlatGroup
     from .precision import LossScaler, PrecisionPolicy
@@ -70,7 +70,7 @@ class CheckpointView:
         return self._engine.loss_scaler
 
     @property
-    def offload(self) -> "Optional[OptimizerOffload]":
+    def offload(self) -> "Optional[HostOptimizer]":
         """The optimizer offload (masters and states on the host or on disk), or None."""
         return self._engine.offload
 

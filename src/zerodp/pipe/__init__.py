@@ -2,7 +2,7 @@
 
 ``PipelineModule``, ``LayerSpec`` and ``TiedLayerSpec`` (``module.py``) describe the model;
 ``zerodp.initialize(model=PipelineModule(...))`` returns a pipeline engine whose
-``train_batch()`` runs a step over the stages (``zerodp/parallel/pipeline.py``). The topology
+``train_batch()`` runs a step over the stages (``zerodp/engine/pipeline.py``). The topology
 classes say where each rank sits, as DeepSpeed's do (pipeline outermost, then data, then
 tensor / model parallel).
 """

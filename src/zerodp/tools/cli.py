@@ -99,9 +99,9 @@ def _run_plot(args: argparse.Namespace) -> int:
 # -- zerodp estimate ------------------------------------------------------------------------
 
 def _estimate_add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``zerodp estimate``; values are checked by ``zerodp.tools.estimate`` so that bad
+    """Options of ``zerodp estimate``; values are checked by ``zerodp.estimator`` so that bad
     input gets a one-line message and exit code 2."""
-    from .estimate import ACCOUNTINGS, OPTIMIZERS, PRECISIONS
+    from ..estimator import ACCOUNTINGS, OPTIMIZERS, PRECISIONS
     add = parser.add_argument
     add("--model", required=True, help="a parameter count (8B, 7.5B, 350M, 125K), a transformers "
         "config (config.json or its directory), or a factory 'module:function' (built on the meta "
@@ -141,7 +141,7 @@ def _estimate_add_arguments(parser: argparse.ArgumentParser) -> None:
 def _run_estimate(args: argparse.Namespace) -> int:
     import json
 
-    from . import estimate as estimator
+    from .. import estimator
     defaults = {}
     if args.reduce_bucket_size is not None:
         defaults["reduce_bucket_size"] = args.reduce_bucket_size

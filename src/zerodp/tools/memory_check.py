@@ -1,4 +1,4 @@
-"""Estimated vs measured memory: the ZeRO accounting (``tools/estimate``) beside a live
+"""Estimated vs measured memory: the ZeRO accounting (``estimator/``) beside a live
 engine's ledger (``engine.memory_breakdown()``), with the padding each may differ by.
 
 ``compare_with_engine(engine)`` returns one :class:`Comparison` per category and
@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from ..core.flat import ALIGN_BYTES
-from .estimate import FP32, EstimateError, ModelInfo, estimate_buffers
+from ..estimator import FP32, EstimateError, ModelInfo, estimate_buffers
 
 if TYPE_CHECKING:
-    from ..core.engine import ZeroEngine
+    from ..engine import ZeroEngine
 
 __all__ = ["Comparison", "compare_with_engine", "format_comparison"]
 

@@ -1,7 +1,7 @@
 """``zerodp plot``: charts from the metrics the CSV monitor wrote.
 
 ``zerodp plot RUN_DIR [RUN_DIR ...]`` reads each run's ``metrics.csv`` and ``run_info.json``
-(written by the ``csv_monitor`` config block, see :mod:`zerodp.tools.monitor` and
+(written by the ``csv_monitor`` config block, see :mod:`zerodp.monitor` and
 ``docs/metrics.md``; a directory holding several runs is read at its latest, or pass the
 CSV file itself) and writes three PNG files:
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-from .monitor import CSV_NAME, INFO_NAME
+from ..monitor import CSV_NAME, INFO_NAME
 
 __all__ = ["Run", "PlotError", "load_run", "plot_runs", "plot_loss_lr", "plot_memory_over_steps",
            "plot_stage_memory", "draw_memory_bars", "estimates_for", "add_arguments", "run", "BAR_CATEGORIES"]
@@ -343,7 +343,7 @@ def estimates_for(runs: Sequence[Run]) -> list[Optional[dict[str, float]]]:
     """The ZeRO accounting of each run's stage, world size, dtype, optimizer and trainable
     parameter count (``zerodp.estimate``), for drawing beside the measured bars; None for a
     run whose run_info lacks one of them or names an optimizer the estimator does not know."""
-    from .estimate import EstimateError, estimate
+    from ..estimator import EstimateError, estimate
     out: list[Optional[dict[str, float]]] = []
     for r in runs:
         info = r.info

@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from ..estimate import EstimateError
+from ...estimator import EstimateError
 
 __all__ = ["ModelSpec", "build_model", "no_initialization"]
 

@@ -7,8 +7,8 @@ import os
 import sys
 import warnings
 
+from ...estimator import EstimateError
 from ...parallel import GridError, TensorParallelError
-from ..estimate import EstimateError
 from .report import format_simulation
 from .run import OFFLOADS, PRECISIONS, simulate
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..estimate import EstimateError
+from ...estimator import EstimateError
 from .build import ModelSpec
 
 __all__ = ["TP_PARTITION", "tp_partition", "decoder_layers", "stage_bounds", "stage_module", "stage_batch",

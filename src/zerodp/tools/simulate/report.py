@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..estimate.inputs import _num
+from ...estimator.inputs import _num
 from .run import Simulation
 
 __all__ = ["format_simulation", "ROWS"]

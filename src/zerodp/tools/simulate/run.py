@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..estimate import EstimateError, estimate
+from ...estimator import EstimateError, estimate
 from . import pipeline
 from .build import ModelSpec, build_model, no_initialization
 from .tracker import PeakMemory, device_peak

@@ -13,7 +13,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from ...core.gather import plan_units
+from ..core.gather import plan_units
 from .inputs import DEFAULT_PERSISTENCE, EstimateError, parse_count
 
 
@@ -126,8 +126,8 @@ def describe_model(model: nn.Module, description: str = "module", source: str = 
 
 def _split(model: nn.Module) -> Optional[list]:
     """The parameters the model's tensor-parallel plan would split, or None without a plan."""
-    from ...parallel.plans import plan_for
-    from ...parallel.tensor import TensorParallelError, split_parameters
+    from ..parallel.plans import plan_for
+    from ..parallel.tensor import TensorParallelError, split_parameters
     try:
         return split_parameters(model, plan_for(model))
     except TensorParallelError:

@@ -6,7 +6,7 @@ from typing import Optional, Union
 
 from torch import nn
 
-from ...core.flat import ALIGN_BYTES
+from ..core.flat import ALIGN_BYTES
 from .accounting import OptimizerSpec, _optimizer, make_accounting
 from .activations import Activations, estimate_activations
 from .buffers import estimate_buffers

@@ -28,8 +28,8 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 
 from .. import health
-from ..core.engine import ZeroEngine
-from .grid import Grid, _new_groups
+from ..parallel.grid import Grid, _new_groups
+from .engine import ZeroEngine
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...core.reduce import MAX_BUCKETS_IN_FLIGHT
+from ..core.reduce import MAX_BUCKETS_IN_FLIGHT
 from .inputs import _num
 from .model import ModelInfo
 
@@ -35,7 +35,7 @@ def estimate_buffers(model: ModelInfo, p: int, reduce_bucket_size: int,
     until the end of backward. Stage 3 keeps gathered at most ``stage3_max_live_parameters``
     elements through prefetching and reuse, plus the unit being computed, never more than
     the whole model. In a pipeline (``pipeline``) the stage's gradients are accumulated whole over
-    the step and stage 3 keeps the whole stage gathered for it (``parallel/pipeline.py``).
+    the step and stage 3 keeps the whole stage gathered for it (``engine/pipeline.py``).
     """
     trained = model.trainable_params
     group = min(trained, max(reduce_bucket_size, model.largest_param or 0))

@@ -10,10 +10,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import device
-from .collectives import SCRATCH
-from .memory import measure_model_states
-from .view import CheckpointView
+from ..core import device
+from ..core.collectives import SCRATCH
+from ..core.memory import measure_model_states
+from ..core.view import CheckpointView
 
 
 class EngineAPI:

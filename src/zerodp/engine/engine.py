@@ -47,11 +47,8 @@ from torch import nn
 
 from .. import health
 from ..config import Config, ConfigError, resolve_batch_sizes
-from ..offload import OptimizerOffload, ParamOffload, group_cap
-from ..parallel import TensorParallel, model_slices, replaced_parameters
-from ..parallel.grid import Grid, build_grid
-from . import live
-from .assemble import (
+from ..core import live
+from ..core.assemble import (
     adopt_replaced_params,
     broadcast_initial_state,
     build_flat_groups,
@@ -59,19 +56,22 @@ from .assemble import (
     build_optimizer,
     user_param_groups,
 )
-from .collectives import SCRATCH, CommCounter
-from .device import default_device, select, synchronize
+from ..core.collectives import SCRATCH, CommCounter
+from ..core.device import default_device, select, synchronize
+from ..core.gather import Unit, plan_units, register_params
+from ..core.init_shards import has_no_values, init_shard, prepare_for_sharding
+from ..core.leaves import apply_leaf_config
+from ..core.norm import global_norm_and_usage
+from ..core.optim_shard import OptimizerShard
+from ..core.plain_loop import PlainLoop
+from ..core.precision import LossScaler, PrecisionPolicy
+from ..core.reduce import GradReducer
+from ..core.sharded import ShardedParams
+from ..core.stages import StagePolicy, policy_for
+from ..offload import OptimizerOffload, ParamOffload, group_cap
+from ..parallel import TensorParallel, model_slices, replaced_parameters
+from ..parallel.grid import Grid, build_grid
 from .engine_api import EngineAPI
-from .gather import Unit, plan_units, register_params
-from .init_shards import has_no_values, init_shard, prepare_for_sharding
-from .leaves import apply_leaf_config
-from .norm import global_norm_and_usage
-from .optim_shard import OptimizerShard
-from .plain_loop import PlainLoop
-from .precision import LossScaler, PrecisionPolicy
-from .reduce import GradReducer
-from .sharded import ShardedParams
-from .stages import StagePolicy, policy_for
 
 logger = logging.getLogger("zerodp")
 
@@ -246,7 +246,7 @@ class ZeroEngine(EngineAPI, nn.Module):
         self._in_no_sync = False
         self._reduced_for_boundary = False
         self._timings: dict[str, list[float]] = defaultdict(list)
-        self.monitor = None  # the metrics writer, set by zerodp.initialize (tools/monitor.py)
+        self.monitor = None  # the metrics writer, set by zerodp.initialize (monitor.py)
         self.training_dataloader = None  # set by zerodp.initialize(training_data=...)
         self._in_engine_backward = False
         self._boundary_override: Optional[bool] = None

@@ -6,7 +6,7 @@ import re
 from decimal import Decimal, InvalidOperation
 from typing import Any, Optional, Union
 
-from ...config import ZeroConfig
+from ..config import ZeroConfig
 
 GB = 10**9
 

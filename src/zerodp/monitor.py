@@ -40,8 +40,8 @@ from typing import Any, Optional
 
 import torch
 
-from ..config import ConfigError
-from ..core.device import synchronize
+from .config import ConfigError
+from .core.device import synchronize
 
 __all__ = ["monitor_from_config", "TrainingMonitor", "require_tensorboard", "CSV_NAME", "INFO_NAME",
            "TENSORBOARD_MISSING"]
@@ -280,7 +280,7 @@ class TrainingMonitor:
     # -- run_info.json --------------------------------------------------------------------
 
     def _run_info(self, engine: Any) -> dict[str, Any]:
-        from .._version import __version__
+        from ._version import __version__
         groups = getattr(engine, "flat_groups", [])
         cfg = getattr(engine, "config", None)
         return {
