@@ -390,17 +390,18 @@ def summarize(runs: list[Run], worlds: list[int], systems: list[str], skipped: d
             bad = [r for r in mine if not r.rows]
             memory = [r for r in mine if r.rows and r.kind == "memory"]
             s.reps = len(good)
+            if memory:
+                s.peak_rss_mib = _common.median(max(r["peak_rss_mib"] for r in run.rows) for run in memory)
+                s.rss_ready_mib = _common.median(max(r["rss_ready_mib"] for r in run.rows) for run in memory)
             if not good:
-                s.ok = False
-                s.note = f"failed: {bad[0].error}" if bad else "not run"
+                s.ok = bool(memory) and not bad
+                s.note = f"failed: {bad[0].error}" if bad else "memory runs only" if memory else "not run"
                 continue
             if bad:
                 s.note = f"{len(bad)} of {len(bad) + len(good) + len(memory)} runs failed: {bad[0].error}"
             per_run = [max(r["step_s"] for r in run.rows) for run in good]
             s.step_s = _common.median(per_run)
             s.step_range_s = (min(per_run), max(per_run))
-            s.peak_rss_mib = _common.median(max(r["peak_rss_mib"] for r in run.rows) for run in memory)
-            s.rss_ready_mib = _common.median(max(r["rss_ready_mib"] for r in run.rows) for run in memory)
             s.comm_mib = _common.median(statistics.fmean(r["comm_bytes_per_step"] for r in run.rows) / 2**20
                                         for run in good)
             s.socket_mib = _common.median(

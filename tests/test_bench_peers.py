@@ -60,6 +60,15 @@ def test_summary_ratios_medians_and_agreement():
     assert table[6].startswith("| 2 | ds2 | - | - | - |") and table[6].endswith("failed: RuntimeError: boom |")
 
 
+def test_memory_runs_alone_fill_the_memory_columns():
+    """``--reps 0 --memory-reps 1``: no timed run, so no step time, but the RSS columns."""
+    rows = peers.summarize([_run("zero3", 4, 9.0, 4.0, 2.0, rss=453.0, kind="memory")], [4], ["zero3", "fsdp2"], {})
+    by = {s.system: s for s in rows}
+    assert by["zero3"].peak_rss_mib == 453.0 and by["zero3"].rss_ready_mib == 300.0 and by["zero3"].step_s is None
+    assert by["zero3"].ok and by["zero3"].note == "memory runs only"
+    assert by["fsdp2"].peak_rss_mib is None and by["fsdp2"].note == "not run" and not by["fsdp2"].ok
+
+
 def test_timed_runs_keep_the_allocator_and_memory_runs_set_it(monkeypatch, tmp_path):
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     assert "MALLOC_MMAP_THRESHOLD_" not in _common.worker_env(2, memory=False)
