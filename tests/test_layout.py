@@ -340,29 +340,31 @@ def test_the_package_checker_finds_a_cycle_through_submodules(tmp_path):
     assert cycle is not None and set(cycle) == {"pkg.a", "pkg.b"}
 
 
-def base_private_reads(path: Path, modules: dict[str, Path], package: str = PACKAGE) -> list[tuple[int, str]]:
+def _imported_names(path: Path, modules: dict[str, Path]) -> dict[str, str]:
+    """Local name -> the package module it is imported from, for ``path``'s ``from ... import``s."""
+    name = next(m for m, p in modules.items() if p == path)
+    imported = {}
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom):
+            base = _resolve(name, path.name == "__init__.py", node.level, node.module)
+            imported.update({a.asname or a.name: base for a in node.names if base in modules})
+    return imported
+
+
+def base_private_reads(path: Path, modules: dict[str, Path]) -> list[tuple[int, str]]:
     """``(line, text)`` for each ``self._name`` in a class of ``path`` whose base class is defined in
     another module of the package (found through the file's ``from ... import`` of it), where
     ``_name`` is private state of that base (``self._name = ...`` there) the subclass does not
     assign itself: a subclass reaching into its base's state, which the base may change without
     knowing. (A base's private methods are left to it and its subclasses: hooks and helpers
     meant for them.)"""
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    name = next(m for m, p in modules.items() if p == path)
-    is_package = path.name == "__init__.py"
-    imported: dict[str, str] = {}  # local name -> module that defines it
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom):
-            base = _resolve(name, is_package, node.level, node.module)
-            for alias in node.names:
-                if base in modules:
-                    imported[alias.asname or alias.name] = base
+    imported = _imported_names(path, modules)
     found = []
-    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+    for cls in (n for n in ast.parse(path.read_text(encoding="utf-8")).body if isinstance(n, ast.ClassDef)):
         inherited: set[str] = set()
         for b in cls.bases:
             if isinstance(b, ast.Name) and b.id in imported:
-                inherited |= _privates_up(modules[imported[b.id]], b.id, modules, package)
+                inherited |= _privates_up(modules[imported[b.id]], b.id, modules)
         own = private_members(path, (cls.name,))
         for node in ast.walk(cls):
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self" \
@@ -371,22 +373,16 @@ def base_private_reads(path: Path, modules: dict[str, Path], package: str = PACK
     return found
 
 
-def _privates_up(path: Path, cls: str, modules: dict[str, Path], package: str) -> set[str]:
-    """``cls``'s private members and those of its bases defined in the package, transitively."""
+def _privates_up(path: Path, cls: str, modules: dict[str, Path]) -> set[str]:
+    """``cls``'s private state and that of its bases defined in the package, transitively."""
     names = private_members(path, (cls,), methods=False)
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    name = next(m for m, p in modules.items() if p == path)
-    local = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
-    imported = {}
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom):
-            base = _resolve(name, path.name == "__init__.py", node.level, node.module)
-            imported.update({a.asname or a.name: base for a in node.names if base in modules})
+    local = {n.name: n for n in ast.parse(path.read_text(encoding="utf-8")).body if isinstance(n, ast.ClassDef)}
+    imported = _imported_names(path, modules)
     for b in local[cls].bases if cls in local else []:
         if isinstance(b, ast.Name) and b.id in local:
-            names |= _privates_up(path, b.id, modules, package)
+            names |= _privates_up(path, b.id, modules)
         elif isinstance(b, ast.Name) and b.id in imported:
-            names |= _privates_up(modules[imported[b.id]], b.id, modules, package)
+            names |= _privates_up(modules[imported[b.id]], b.id, modules)
     return names
 
 
@@ -410,4 +406,4 @@ def test_the_subclass_checker_sees_inherited_private_reads(tmp_path):
         "    def run(self):\n        return self._gas, self._mine, self._deep, self.public, self._step()\n",
         encoding="utf-8")
     modules = module_files(tmp_path, "pkg")
-    assert base_private_reads(pkg / "sub.py", modules, "pkg") == [(6, "self._gas"), (6, "self._deep")]
+    assert base_private_reads(pkg / "sub.py", modules) == [(6, "self._gas"), (6, "self._deep")]

@@ -159,7 +159,7 @@ class RankPlan:
             self._collect_keys(part)
             self.parts.append(part)
             best = values_of(g)
-            if not g.paged:
+            if not g.pages:
                 self._add(f"g{g.index}.value", best[lo - g.shard_lo:hi - g.shard_lo])
             else:  # disk offload: read from the tile's file while written
                 self._add_parts(f"g{g.index}.value", best.dtype, hi - lo,

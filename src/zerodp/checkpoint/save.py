@@ -234,7 +234,7 @@ class _Job:
         self.save_dir, self.tag, self.save_latest = save_dir, tag, save_latest
         self.partial = save_dir / f".{tag}.partial"
         self.staging = staging
-        paged = any(g.paged for g in plan.view.flat_groups)
+        paged = any(g.pages for g in plan.view.flat_groups)
         self.staged = staging.start(plan, copy_now=paged) if staging is not None else None
         self._plan = None if staging is not None else plan
         self.nbytes = sum(s.nbytes for s in plan.specs)

@@ -429,9 +429,7 @@ class FlatGroup:
         read from their files, written back after. Otherwise nothing happens."""
         paged_in = []
         try:
-            for page in (self.optim.page if self.optim is not None else None, self.shard_page):
-                if page is None:
-                    continue
+            for page in self.pages:
                 if page.resident:
                     page.wait()
                 else:
@@ -445,9 +443,11 @@ class FlatGroup:
     # -- checkpoints -----------------------------------------------------------------------
 
     @property
-    def paged(self) -> bool:
-        """Whether some of the group's values live in files (disk offload of optimizer or parameters)."""
-        return self.shard_page is not None or (self.optim is not None and self.optim.page is not None)
+    def pages(self) -> list:
+        """The files some of the group's values live in (disk offload): the optimizer's master and
+        states (``optim.page``), the parameter shard (``shard_page``); empty without."""
+        return [page for page in (self.optim.page if self.optim is not None else None, self.shard_page)
+                if page is not None]
 
     def copying_shard(self, on: bool) -> None:
         """An asynchronous checkpoint copy reads the shard (``on``) or is done: while it reads,

@@ -200,9 +200,8 @@ class OptimizerOffload:
 
     def _wait_pages(self) -> None:
         for g in self.groups:
-            for page in (g.optim.page if g.optim is not None else None, g.shard_page):
-                if page is not None:
-                    page.wait()
+            for page in g.pages:
+                page.wait()
 
     def close(self) -> None:
         self._wait_pages()

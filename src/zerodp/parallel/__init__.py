@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..core.collectives import Comm, CommCounter
+from ..core.flat import is_dtensor
 from .adapters import base_model, expand_adapters
 from .grid import Grid, GridError, build_grid, grid_from_mesh, grid_from_mpu
 from .plans import check_heads, localize, plan_for, with_loss_parallel, with_sequence_parallel
@@ -48,8 +49,7 @@ def hybrid_size(config) -> Optional[int]:
 
 
 def _already_split(model: nn.Module) -> bool:
-    from .tensor import _is_dtensor
-    return bool(model_slices(model)) or any(_is_dtensor(p) for p in model.parameters())
+    return bool(model_slices(model)) or any(is_dtensor(p) for p in model.parameters())
 
 
 def _has(model: nn.Module, option: str) -> bool:
@@ -245,8 +245,7 @@ def _loss_parallel_region():
 
 
 def _local_outputs(x: Any) -> Any:
-    from .tensor import _is_dtensor
-    if _is_dtensor(x):
+    if is_dtensor(x):
         if not all(p.is_replicate() for p in x.placements):
             return x
         local = x.to_local()  # a view made by a custom Function, which autograd forbids changing in place:
@@ -271,10 +270,9 @@ def _count_hook(comm: Comm, split: Split):
     factor = (n - 1) / n
 
     def nbytes(t: Any) -> int:
-        from .tensor import _is_dtensor
         if not isinstance(t, torch.Tensor):
             return 0
-        if _is_dtensor(t):
+        if is_dtensor(t):
             t = t.to_local()
         return t.numel() * t.element_size()
 

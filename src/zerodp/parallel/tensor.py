@@ -151,7 +151,7 @@ def model_slices(model: nn.Module, tp_size: int = 1, tp_rank: int = 0) -> dict[i
     for p in model.parameters():
         if id(p) in out:
             continue
-        if _is_dtensor(p):
+        if is_dtensor(p):
             shards = [pl for pl in p.placements if pl.is_shard()]
             if shards:
                 mesh = p.device_mesh
@@ -409,16 +409,12 @@ def apply_plan(model: nn.Module, plan: dict[str, Split], mesh) -> dict[str, Spli
     group, src = mesh.get_group(), dist.get_global_rank(mesh.get_group(), 0)
     with torch.no_grad():
         for p in model.parameters():
-            if not _is_dtensor(p):
+            if not is_dtensor(p):
                 dist.broadcast(p.data, src=src, group=group)
         for b in model.buffers():
-            if not _is_dtensor(b):
+            if not is_dtensor(b):
                 dist.broadcast(b, src=src, group=group)
     return resolved
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    return is_dtensor(t)  # without importing torch's DTensor package where nothing did
 
 
 def _tied_names(model: nn.Module) -> list[list[tuple[str, str]]]:
