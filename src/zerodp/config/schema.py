@@ -2,74 +2,27 @@
 :func:`describe_fields`, the documented keys with their defaults."""
 from __future__ import annotations
 
-import json
 import warnings
 from typing import Annotated, Any, ClassVar, Literal, Union, get_args
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, model_validator
+
+from .fields import (  # noqa: F401 (ConfigError and _fmt are read from here too)
+    _NO_AMP,
+    _NO_GRAD_OP,
+    ConfigError,
+    _BatchValue,
+    _fmt,
+    _int_type,
+    _NonNegative,
+    _only,
+    _Period,
+    _Positive,
+    _Section,
+    _Stage,
+)
 
 __all__ = ["ConfigError", "ZeroConfig", "OptimizerConfig", "SchedulerConfig", "Config", "describe_fields"]
-
-
-class ConfigError(ValueError):
-    """An invalid zerodp / DeepSpeed-style configuration."""
-
-
-def _int_type(minimum: int = 0, allowed: tuple[int, ...] | None = None, auto: bool = False) -> Any:
-    """An int field that also takes whole floats (``2e8``) but rejects bools and fractions.
-
-    With ``auto``, ``"auto"`` and null are accepted too (DeepSpeed batch-size keys).
-    """
-    text = ", ".join(map(str, allowed)) if allowed else f"an integer >= {minimum}"
-    text += ', "auto" or null' if auto else ""
-
-    def check(v: Any) -> Any:
-        if auto and v in (None, "auto"):
-            return v
-        whole = isinstance(v, int) or (isinstance(v, float) and v.is_integer())
-        if isinstance(v, bool) or not whole or v < minimum or (allowed and v not in allowed):
-            raise ValueError(f"allowed: {text}")
-        return int(v)
-
-    kind = Union[int, Literal["auto"], None] if auto else int
-    return Annotated[kind, BeforeValidator(check)]
-
-
-def _only(value: Any, why: str) -> AfterValidator:
-    """Reject any value but ``value``: zerodp lacks the feature and ignoring it would change results."""
-
-    def check(v: Any) -> Any:
-        if v != value:
-            raise ValueError(f"allowed: {_fmt(value)}; {why}")
-        return v
-
-    return AfterValidator(check)
-
-
-_NO_AMP = ("Apex AMP is not supported; use \"bf16\": {\"enabled\": true} or \"fp16\": {\"enabled\": true}, "
-           "and ignoring it would change the numbers")
-_NO_GRAD_OP = "not implemented in zerodp, and ignoring it would change the gradients"
-
-_Stage = _int_type(allowed=(0, 1, 2, 3))
-_Positive = _int_type(minimum=1)
-_NonNegative = _int_type(minimum=0)
-_BatchValue = _int_type(minimum=1, auto=True)
-
-
-def _never_if_infinite(v: Any) -> Any:
-    """``steps_per_print``: infinity (what Accelerate writes when no value is given) means never."""
-    return None if isinstance(v, float) and v == float("inf") else v
-
-
-_Period = Annotated[Union[_Positive, None], BeforeValidator(_never_if_infinite)]
-
-
-class _Section(BaseModel):
-    """Base for config blocks: unknown keys are kept (and warned about by :class:`Config`)."""
-
-    model_config = ConfigDict(extra="allow", validate_default=True)
-    warn_unknown_keys: ClassVar[bool] = True
-
 
 _OFFLOAD_DEVICE = Literal["none", "cpu", "nvme"]
 
@@ -427,6 +380,31 @@ class TensorBoardConfig(_MonitorBlock):
                                             "(pip install tensorboard).")
 
 
+class ActivationCheckpointingConfig(_Section):
+    """The ``activation_checkpointing`` block: DeepSpeed's settings for
+    ``deepspeed.checkpointing``, whose ``checkpoint`` recomputes activations in backward."""
+
+    partition_activations: bool = Field(False, description="Not implemented (warned when true): checkpointed "
+                                                           "activations are kept whole on every rank, as torch "
+                                                           "keeps them. Same results, more memory.")
+    cpu_checkpointing: bool = Field(False, description="Not implemented (warned when true): checkpointed "
+                                                       "activations stay on the device.")
+    contiguous_memory_optimization: bool = Field(False, description="Not implemented (warned when true); no "
+                                                                    "effect on results.")
+    number_checkpoints: int | None = Field(None, description="Accepted for compatibility; no effect.")
+    synchronize_checkpoint_boundary: bool = Field(False, description="Accepted for compatibility; no effect.")
+    profile: bool = Field(False, description="Accepted for compatibility; no effect.")
+
+    @model_validator(mode="after")
+    def _warn_unimplemented(self) -> "ActivationCheckpointingConfig":
+        on = [k for k in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization")
+              if getattr(self, k)]
+        if on:
+            warnings.warn(f"activation_checkpointing: {', '.join(on)} not implemented: activations are kept as "
+                          "torch keeps them (same results, more memory)", UserWarning, stacklevel=2)
+        return self
+
+
 class CheckpointConfig(_Section):
     """The ``checkpoint`` block."""
 
@@ -494,6 +472,12 @@ class Config(_Section):
     sparse_gradients: Annotated[bool, _only(False, _NO_GRAD_OP)] = Field(
         False, description="Must be false (sparse gradients are not implemented).")
     aio: AioConfig = Field(default_factory=AioConfig, description="Disk offload I/O settings.")
+    activation_checkpointing: ActivationCheckpointingConfig = Field(
+        default_factory=ActivationCheckpointingConfig,
+        description="DeepSpeed's activation checkpointing settings (zerodp.checkpointing).")
+    zero_allow_untested_optimizer: bool = Field(
+        False, description="Accepted for compatibility: zerodp takes any elementwise torch optimizer and "
+                           "refuses the others whatever this says.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig,
                                          description="Checkpoint saving.")
     csv_monitor: CSVMonitorConfig = Field(default_factory=CSVMonitorConfig,
@@ -554,14 +538,6 @@ def _unknown_keys(model: BaseModel, prefix: str) -> list[str]:
         if isinstance(value, BaseModel):
             paths += _unknown_keys(value, f"{prefix}{name}.")
     return paths
-
-
-def _fmt(value: Any) -> str:
-    try:
-        return json.dumps(value)
-    except (TypeError, ValueError):
-        return repr(value)
-
 
 
 

@@ -1,18 +1,16 @@
 """DeepSpeed's ``deepspeed.utils`` names that zerodp provides (thin faces over zerodp's own code)."""
 from __future__ import annotations
 
-import logging
 from typing import Iterable
 
 from torch import nn
 
 from ..checkpoint.consolidate import get_fp32_state_dict_from_zero_checkpoint, load_state_dict_from_zero_checkpoint
 from ..core.leaves import is_leaf, mark_by_class, mark_by_name, set_leaf, z3_leaf_parameter
+from . import logging  # noqa: F401 (DeepSpeed's deepspeed.utils.logging, read as an attribute)
+from .logging import logger  # DeepSpeed's deepspeed.utils.logger: zerodp's own logger
 from .tensor_fragment import *  # noqa: F403  (a parameter's gradient, master and optimizer state)
 from .tensor_fragment import __all__ as _PARAM_ACCESS
-
-#: DeepSpeed's ``deepspeed.utils.logger``: zerodp's own logger
-logger = logging.getLogger("zerodp")
 
 __all__ = ["logger", "get_fp32_state_dict_from_zero_checkpoint", "load_state_dict_from_zero_checkpoint",
            "set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_modules", "z3_leaf_module",
