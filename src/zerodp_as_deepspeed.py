@@ -107,6 +107,9 @@ class _Finder(importlib.metadata.DistributionFinder, importlib.abc.Loader):
             import zerodp
             module = _TopLevel("deepspeed", zerodp)
             module.__spec__ = spec
+            if "lightning" in sys.modules:  # Lightning's DeepSpeedStrategy: its CPU refusal names zerodp's
+                from zerodp.integrations.lightning.common import point_deepspeed_strategies_to_zerodp
+                point_deepspeed_strategies_to_zerodp()
             return module
         try:
             target = importlib.import_module("zerodp." + spec.name.partition(".")[2])

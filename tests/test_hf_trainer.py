@@ -6,15 +6,12 @@ environment without DeepSpeed (``no_deepspeed_python``); a 4-rank job runs the c
 (``tensor_parallel.autotp_size`` 2) against the plain Trainer on the same samples."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
+import torchrun_cases
 
 HERE = Path(__file__).parent
-SRC = str(HERE.parent / "src")
 
 FP32 = ["z0", "z1", "z2", "z3", "z1-off", "z2-off", "z3-off"]
 GAS = ["z2-gas2", "z3-gas2"]
@@ -45,17 +42,8 @@ TP_LORA = ["z2-tp2-lora", "z3-tp2-sp-lora", "z1-tp2-lp-lora"]
 
 
 def run_cases(python: str, tmp: Path, cases: list[str], ranks: int) -> dict:
-    out = tmp / "results.json"
-    env = dict(os.environ, ZERODP_AS_DEEPSPEED="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p))
-    proc = subprocess.run([python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-                           str(HERE / "hf_trainer_tasks.py"), str(out), *cases],
-                          env=env, capture_output=True, text=True, timeout=600)
-    # judged by what rank 0 reported: an abort at exit after that is not this test's subject
-    assert out.exists(), (proc.stdout + proc.stderr)[-5000:]
-    found = json.loads(out.read_text())
-    assert sorted(found) == sorted(cases)
-    return found
+    return torchrun_cases.run_cases(python, HERE / "hf_trainer_tasks.py", tmp / "results.json", [], cases, ranks,
+                                    ZERODP_AS_DEEPSPEED="1", TOKENIZERS_PARALLELISM="false")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,11 @@
+"""``from zerodp.lightning import ZeroStrategy, ZeroFabricStrategy``: zerodp's strategies for
+Lightning's Trainer and Fabric, registered under ``zerodp_stage_*`` names on import (the code
+lives in ``zerodp/integrations/lightning/``; docs/lightning.md)."""
+from .integrations.lightning import (  # noqa: F401
+    ZeroFabricStrategy,
+    ZeroStrategy,
+    convert_zero_checkpoint_to_fp32_state_dict,
+    engine_metrics,
+)
+
+__all__ = ["ZeroStrategy", "ZeroFabricStrategy", "convert_zero_checkpoint_to_fp32_state_dict", "engine_metrics"]
