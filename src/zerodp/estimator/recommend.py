@@ -2,6 +2,7 @@
 recommends the fastest one that fits; :class:`Estimate` holds the result."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional, Union
 
 from torch import nn
@@ -10,6 +11,7 @@ from ..core.flat import ALIGN_BYTES
 from .accounting import OptimizerSpec, _optimizer, make_accounting
 from .activations import Activations, estimate_activations
 from .buffers import estimate_buffers
+from .cluster import Cluster, resolve_cluster
 from .inputs import (
     DEFAULT_MAX_LIVE,
     DEFAULT_REDUCE_BUCKET,
@@ -23,6 +25,7 @@ from .inputs import (
 from .model import ModelInfo, resolve_model
 from .report import Estimate
 from .stages import ROW_KEYS, Row, _with_fit, estimate_row
+from .timing import Job, predict
 
 #: Fastest first: lower stages communicate less; offload runs the optimizer on the CPU.
 RECOMMENDATION_ORDER = [(0, "none"), (1, "none"), (2, "none"), (3, "none"), (2, "optimizer"),
@@ -67,6 +70,23 @@ def _reason(row: Row, by_key: dict, device_memory: int, act: str) -> str:
             f"{cpu}); offload runs the optimizer step on the CPU and is often 2-3x slower")
 
 
+def _recommend_by_time(rows: list[Row], device_memory: Optional[int]) -> tuple[Optional[Row], str]:
+    """The configuration predicted fastest among those that fit, and why."""
+    fitting = [r for r in rows if r.step_time is not None and (r.fits or device_memory is None)]
+    if not fitting:
+        return None, "nothing fits (see the device column); no step time to compare"
+    best = min(fitting, key=lambda r: r.step_time.step_time_s)
+    t = best.step_time
+    others = sorted((r for r in fitting if r is not best), key=lambda r: r.step_time.step_time_s)
+    nearest = (f"; next: {others[0].label} at {others[0].step_time.step_time_s / t.step_time_s:.2f}x"
+               if others else "")
+    lower = [r for r in rows if r.offload == "none" and r.stage < best.stage and r.fits is False]
+    why = f" ({lower[-1].label} does not fit)" if lower else ""
+    return best, (f"predicted fastest that fits{why}: {t.step_time_s:.3g} s per step, "
+                  f"{t.tokens_per_s_per_device:,.0f} tokens/s per device, {100 * t.mfu:.0f}% of peak, "
+                  f"most of it {t.dominant}{nearest}")
+
+
 def estimate(model: Union[str, int, nn.Module, ModelInfo], *, nodes: int = 1, ranks_per_node: int = 1,
              device_memory: Union[None, str, int] = None, cpu_memory: Union[None, str, int] = None,
              precision: str = "bf16", optimizer: Union[str, OptimizerSpec] = "adamw",
@@ -75,7 +95,8 @@ def estimate(model: Union[str, int, nn.Module, ModelInfo], *, nodes: int = 1, ra
              model_kwargs: Union[None, str, dict] = None,
              reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET,
              max_live_parameters: int = DEFAULT_MAX_LIVE, tp: int = 1,
-             shard_size: Optional[int] = None, pp: int = 1) -> Estimate:
+             shard_size: Optional[int] = None, pp: int = 1, cluster: Union[None, str, dict, Cluster] = None,
+             gradient_accumulation: int = 1, recalibrate: bool = False) -> Estimate:
     """Per-rank memory of ZeRO stages 0-3, with and without offload, and a recommendation.
 
     ``model``: a parameter count (``"7.5B"`` or an int), a path to a ``transformers`` config
@@ -87,6 +108,11 @@ def estimate(model: Union[str, int, nn.Module, ModelInfo], *, nodes: int = 1, ra
     parameters the model's plan splits; ZeRO shards over the N / tp data-parallel ranks);
     ``shard_size``: hybrid sharding, ZeRO shards over groups of that many data-parallel ranks;
     ``pp``: pipeline stages, each holding 1/pp of the parameters (an even split).
+    ``cluster`` (a preset name, ``"local"``, a JSON file or a :class:`Cluster`): every row also
+    gets its predicted step time (``row.step_time``) for ``micro_batch`` (default 1) x ``seq_len``
+    (default: the model's context) x ``gradient_accumulation`` micro-batches per step, and the
+    recommendation is the fastest predicted that fits; the cluster's device and CPU memory are
+    the defaults of ``device_memory`` and ``cpu_memory``.
     Raises :class:`EstimateError` for input it cannot use.
     """
     nodes = _positive_int(nodes, "nodes")
@@ -97,6 +123,11 @@ def estimate(model: Union[str, int, nn.Module, ModelInfo], *, nodes: int = 1, ra
     max_live_parameters = _element_count(max_live_parameters, "max_live_parameters")
     device = None if device_memory is None else parse_memory(device_memory, "device_memory")
     cpu = None if cpu_memory is None else parse_memory(cpu_memory, "cpu_memory")
+    machines = resolve_cluster(cluster, recalibrate=recalibrate)
+    if machines is not None:
+        device = machines.device_memory if device is None else device
+        cpu = machines.cpu_memory if cpu is None else cpu
+    gradient_accumulation = _positive_int(gradient_accumulation, "gradient_accumulation")
     spec = _optimizer(optimizer)
     acc = make_accounting(precision, spec, accounting)
     info = resolve_model(model, model_kwargs)
@@ -118,7 +149,18 @@ def estimate(model: Union[str, int, nn.Module, ModelInfo], *, nodes: int = 1, ra
     buffers = estimate_buffers(info, acc.params, reduce_bucket_size, max_live_parameters, pipeline=pp > 1)
     rows = [_with_fit(estimate_row(acc, info, stage, off, n, ranks_per_node, buffers, acts.bytes),
                       device, cpu) for stage, off in ROW_KEYS]
-    rec, reason = _recommend(rows, device, cpu, acts)
+    if machines is not None:
+        seq = seq_len or acts.seq_len or (whole.transformer.context if whole.transformer else None)
+        if seq is None:
+            raise EstimateError("seq_len", "a step time needs the sequence length: pass seq_len")
+        job = Job(micro_batch=micro_batch or 1, seq_len=seq, gradient_accumulation=gradient_accumulation,
+                  checkpointing=checkpointing, tp=tp, pp=pp, dp=world // (tp * pp), nodes=nodes,
+                  ranks_per_node=ranks_per_node, precision=precision, reduce_bucket_size=reduce_bucket_size)
+        rows = [replace(r, step_time=predict(whole, info, acc, r.stage, r.offload, job, machines,
+                                             largest_unit=info.largest_unit)) for r in rows]
+        rec, reason = _recommend_by_time(rows, device)
+    else:
+        rec, reason = _recommend(rows, device, cpu, acts)
     notes = [acts.note] if acts.bytes is None else []
     notes.append("stage 0 with offload is shown for comparison only (zerodp offloads from stage 1; "
                  "stage 2 with offload keeps less on the device for the same CPU memory, so it is "
@@ -138,5 +180,9 @@ def estimate(model: Union[str, int, nn.Module, ModelInfo], *, nodes: int = 1, ra
         notes.append(f"pipeline parallelism: {pp} stages, Ψ is one stage's share ({_num(info.params)}, an even "
                      "split; a stage's real share follows its layers), plus the activations the schedule keeps for "
                      "its micro-batches in flight, not counted here")
+    if machines is not None:
+        notes.append(f"step time: on {machines.name} ({machines.description or 'a described cluster'}), "
+                     f"micro-batch {job.micro_batch} x sequence {job.seq_len} x {gradient_accumulation} "
+                     "micro-batch(es) per step; a model of the step (docs/estimate.md), not a measurement")
     return Estimate(info, nodes, ranks_per_node, precision, spec, acc, device, cpu, buffers, acts,
-                    rows, rec, reason, notes, tp=tp, shard_size=n, pp=pp)
+                    rows, rec, reason, notes, tp=tp, shard_size=n, pp=pp, cluster=machines)

@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     from .accounting import Accounting, OptimizerSpec
     from .activations import Activations
     from .buffers import Buffers
+    from .cluster import Cluster
     from .model import ModelInfo
     from .stages import Row
 
@@ -39,6 +40,8 @@ class Estimate:
     """The ranks ZeRO shards over (N in the formulas): data-parallel ranks, or a hybrid group."""
     pp: int = 1
     """Pipeline stages: the model is one stage's share of it."""
+    cluster: Optional[Cluster] = None
+    """The cluster step times were predicted for (None: memory only)."""
 
     @property
     def world_size(self) -> int:
@@ -72,6 +75,7 @@ class Estimate:
                                                         "label": rec.label},
             "reason": self.reason,
             "notes": self.notes,
+            "cluster": None if self.cluster is None else self.cluster.to_dict(),
         }
 
     def format(self) -> str:
@@ -104,12 +108,14 @@ def _table(est: Estimate) -> list[str]:
             return "-"
         return f"{b / size:.1f}" if size > 1 else str(b)
 
+    timed = est.cluster is not None
     head = ["configuration", "params", "grads", "master", "optim", "states", "buffers",
-            "activ", "device", "CPU/node", "fits"]
+            "activ", "device", "CPU/node"] + (["step s", "tok/s/dev"] if timed else []) + ["fits"]
     lines = [[r.label, cell(r.parameters), cell(r.gradients), cell(r.master_weights),
               cell(r.optimizer_states), cell(r.model_states), cell(r.buffers), cell(r.activations),
-              cell(r.device_total), cell(r.cpu_per_node) if r.offload != "none" else "-",
-              _fits_text(r)] for r in est.rows]
+              cell(r.device_total), cell(r.cpu_per_node) if r.offload != "none" else "-"]
+             + ([f"{r.step_time.step_time_s:.3g}", f"{r.step_time.tokens_per_s_per_device:,.0f}"] if timed else [])
+             + [_fits_text(r)] for r in est.rows]
     widths = [max(len(x[i]) for x in [head] + lines) for i in range(len(head))]
 
     def fmt(cols: list[str]) -> str:
@@ -156,6 +162,11 @@ def format_estimate(est: Estimate) -> str:
                   f"{a.seq_len}; per layer {_gb(a.per_layer)}, logits {_gb(a.logits)}), included in 'fits'",
                   f"  formula: {a.formula}", f"  {a.note}"]
     lines += [f"note: {n}" for n in est.notes if n != a.note]
+    if est.cluster is not None and est.recommendation is not None:
+        t = est.recommendation.step_time
+        lines.append(f"step time of {est.recommendation.label}: compute {t.compute_s:.3g} s, exposed "
+                     f"communication {t.communication_s:.3g} s, optimizer {t.optimizer_s:.3g} s, offload "
+                     f"{t.offload_s:.3g} s, pipeline bubble {t.bubble_s:.3g} s")
     label = est.recommendation.label if est.recommendation else "none"
     lines.append(f"recommendation: {label}: {est.reason}")
     return "\n".join(lines)

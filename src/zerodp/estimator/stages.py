@@ -2,12 +2,13 @@
 configuration (model states, buffers, activations, the CPU side) and whether it fits."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
 from .accounting import FP32, Accounting
 from .buffers import Buffers
 from .model import ModelInfo
+from .timing import StepTime
 
 ROW_KEYS = [(0, "none"), (0, "optimizer"), (1, "none"), (1, "optimizer"), (2, "none"),
             (2, "optimizer"), (3, "none"), (3, "optimizer"), (3, "optimizer+params")]
@@ -39,6 +40,8 @@ class Row:
     cpu_per_node: int
     fits_device: Optional[bool] = None
     fits_cpu: Optional[bool] = None
+    step_time: Optional[StepTime] = None
+    """Predicted step time on a cluster (``estimate(..., cluster=...)``), else None."""
 
     @property
     def label(self) -> str:
@@ -68,6 +71,8 @@ class Row:
         out = asdict(self)
         out.update(label=self.label, model_states=self.model_states, buffers=self.buffers,
                    device_total=self.device_total, fits=self.fits)
+        if self.step_time is not None:
+            out.update(step_time_s=self.step_time.step_time_s, tokens_per_s=self.step_time.tokens_per_s)
         return out
 
 
@@ -106,4 +111,4 @@ def estimate_row(acc: Accounting, model: ModelInfo, stage: int, offload: str, n:
 def _with_fit(row: Row, device_memory: Optional[int], cpu_memory: Optional[int]) -> Row:
     fits_device = None if device_memory is None else row.device_total <= device_memory
     fits_cpu = None if cpu_memory is None or row.offload == "none" else row.cpu_per_node <= cpu_memory
-    return Row(**{**asdict(row), "fits_device": fits_device, "fits_cpu": fits_cpu})
+    return replace(row, fits_device=fits_device, fits_cpu=fits_cpu)

@@ -127,7 +127,7 @@ def _estimate_add_arguments(parser: argparse.ArgumentParser) -> None:
         "grads + fp32 master + fp32 optimizer states (the ZeRO paper's); no-master = without the "
         "fp32 master copy; fp32 = fp32 training (default: mixed for bf16/fp16, fp32 for fp32)")
     add("--micro-batch", default=None, help="micro-batch per rank for activations (default 1)")
-    add("--seq-len", default=None, help="sequence length for activations (default: the model's "
+    add("--seq-len", "--seq", dest="seq_len", default=None, help="sequence length (default: the model's "
         "context length)")
     add("--checkpointing", action="store_true",
         help="activation checkpointing: keep each layer's input, recompute one layer at a time")
@@ -135,6 +135,14 @@ def _estimate_add_arguments(parser: argparse.ArgumentParser) -> None:
         "elements (default as in the config schema)")
     add("--max-live-parameters", default=None, help="zero_optimization.stage3_max_live_parameters "
         "in elements (default as in the config schema)")
+    add("--time", action="store_true", help="also predict each configuration's step time on --cluster and "
+        "recommend the fastest that fits (docs/estimate.md)")
+    add("--cluster", default=None, metavar="NAME|FILE.json", help="the machines for --time: a preset "
+        "(v100-dgx2, a100-80gb-8x, h100-8x, h200-8x), 'local' (this machine, probed in seconds, cached) or a "
+        "JSON file of the same fields; sets --device-memory and --cpu-memory unless given")
+    add("--recalibrate", action="store_true", help="with --cluster local: probe again instead of the cache")
+    add("--gradient-accumulation", "--gas", dest="gradient_accumulation", default="1",
+        help="micro-batches per optimizer step, for --time (default 1)")
     add("--json", action="store_true", help="print a JSON document instead of the table")
 
 
@@ -147,6 +155,15 @@ def _run_estimate(args: argparse.Namespace) -> int:
         defaults["reduce_bucket_size"] = args.reduce_bucket_size
     if args.max_live_parameters is not None:
         defaults["max_live_parameters"] = args.max_live_parameters
+    if args.time and args.cluster is None:
+        _error("--time needs --cluster (a preset, 'local' or a JSON file)", "estimate")
+        return 2
+    if args.cluster is not None and not args.time:
+        _error("--cluster is for --time: add --time", "estimate")
+        return 2
+    if args.time:
+        defaults.update(cluster=args.cluster, gradient_accumulation=args.gradient_accumulation,
+                        recalibrate=args.recalibrate)
     try:
         result = estimator.estimate(
             args.model, model_kwargs=args.model_kwargs, nodes=args.nodes,
