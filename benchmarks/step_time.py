@@ -63,11 +63,12 @@ def main(argv=None) -> int:
     else:
         data = measure(args.worlds, args.reps, args.model, args.micro_batch, args.bucket_mb,
                        tempfile.mkdtemp(prefix="step_time_"))
-    cluster = zerodp.estimator.cluster.resolve_cluster("local", recalibrate=args.recalibrate)
+    cluster = zerodp.estimator.resolve_cluster("local", recalibrate=args.recalibrate)
+    per_thread = cluster.cpu_optimizer_rate / (cluster.shared_cores or 1)
     print(f"\ncluster local: {cluster.description}; fp32 {cluster.flops['fp32'] / 1e9:.0f} GFLOP/s per thread "
-          f"(a transformer layer reaches {cluster.gemm_efficiency:.2f} of it), gloo {cluster.intra_bandwidth / 1e9:.2f} "
-          f"GB/s and {cluster.intra_latency * 1e6:.0f} us per ring step, AdamW {cluster.cpu_optimizer_rate / 1e6 / (cluster.shared_cores or 1):.0f}M "
-          "elements/s per thread\n")
+          f"(a transformer layer reaches {cluster.gemm_efficiency:.2f} of it), gloo "
+          f"{cluster.intra_bandwidth / 1e9:.2f} GB/s and {cluster.intra_latency * 1e6:.0f} us per ring step, "
+          f"AdamW {per_thread / 1e6:.0f}M elements/s per thread\n")
     rows = []
     print("| world | system | measured (ms) | predicted (ms) | predicted / measured | compute | exposed comm | "
           "optimizer | offload | bubble |")

@@ -192,3 +192,18 @@ def test_zero_offload_10b_on_one_v100():
     t = zerodp.estimate(m, cluster="v100-dgx2", precision="fp16", micro_batch=10, seq_len=1024,
                         checkpointing=True).row(2, "optimizer").step_time
     assert t.tflops_per_device == pytest.approx(40, rel=0.25)
+
+
+def test_ranks_sharing_cores_take_the_nodes_work_over_its_cores():
+    """``local``: 8 one-thread ranks on 2 cores take 4x one rank's time; a pipeline's idle slots are
+    filled by the other ranks, so its bubble costs nothing once the cores are the limit."""
+    shared = Cluster(**{**ROUND.to_dict(), "shared_cores": 2, "devices_per_node": 8})
+    alone = timed(ranks_per_node=2, cluster=shared).row(0).step_time
+    crowded = timed(ranks_per_node=8, cluster=shared).row(0).step_time
+    busy8 = timed(ranks_per_node=8).row(0).step_time  # the same ranks, each with a core of its own
+    assert alone.step_time_s == pytest.approx(timed(ranks_per_node=2).row(0).step_time.step_time_s)
+    assert crowded.step_time_s == pytest.approx(4 * busy8.step_time_s)
+    piped = timed(ranks_per_node=8, pp=2, gradient_accumulation=2, cluster=shared).row(0).step_time
+    own = timed(ranks_per_node=8, pp=2, gradient_accumulation=2).row(0).step_time
+    assert own.bubble_s > 0 and piped.bubble_s == 0
+    assert piped.step_time_s == pytest.approx(4 * (own.step_time_s - own.bubble_s))

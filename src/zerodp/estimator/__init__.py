@@ -5,7 +5,8 @@ Given a model (a parameter count such as ``7.5B``, a factory ``module:function``
 and the optimizer, :func:`estimate` computes the model-state memory every rank holds at each
 ZeRO stage, with and without offload, adds the buffers zerodp allocates on top (gradient
 buckets, stage-3 gathered parameters) and, for known transformer shapes, activations; it then
-says which configurations fit and recommends the fastest one that does.
+says which configurations fit and recommends the fastest one that does; given a cluster, it
+predicts each one's step time too (``timing.py``) and recommends by it.
 
 Three accountings (bytes per parameter element; Ψ parameters, N ranks):
 
@@ -28,6 +29,8 @@ The modules, in the order :func:`estimate` uses them:
 * ``activations.py`` activations of a known transformer shape
 * ``buffers.py``     gradient buckets and stage 3's gathered parameters
 * ``stages.py``      one row per stage and offload: memory per rank and whether it fits
+* ``cluster.py``     :class:`Cluster`: presets, JSON files and ``local`` (probed) for step times
+* ``timing.py``      :class:`StepTime`: the model of one step's time on a cluster
 * ``recommend.py``   :func:`estimate` and the recommendation
 * ``report.py``      :class:`Estimate`, the result, and the report as text
 """
@@ -43,6 +46,8 @@ from .activations import (
                          layer_activation_bytes,
 )
 from .buffers import Buffers, estimate_buffers
+from .cluster import PRESETS as CLUSTERS
+from .cluster import Cluster, probe_local, resolve_cluster
 from .inputs import (
                          DEFAULT_MAX_LIVE,
                          DEFAULT_PERSISTENCE,
@@ -56,7 +61,9 @@ from .model import ModelInfo, TransformerShape, describe_model, resolve_model, t
 from .recommend import RECOMMENDATION_ORDER, Estimate, estimate
 from .report import format_estimate
 from .stages import ROW_KEYS, Row, estimate_row
+from .timing import Job, StepTime, forward_flops
 
 __all__ = ["estimate", "Estimate", "Row", "ModelInfo", "TransformerShape", "Accounting",
            "OptimizerSpec", "Activations", "EstimateError", "OPTIMIZERS",
-           "PRECISIONS", "ACCOUNTINGS", "parse_count", "parse_memory", "describe_model"]
+           "PRECISIONS", "ACCOUNTINGS", "parse_count", "parse_memory", "describe_model", "Cluster", "CLUSTERS",
+           "StepTime", "resolve_cluster"]

@@ -65,12 +65,6 @@ class Cluster:
             raise EstimateError("cluster", f"{self.name} gives no FLOP/s for {dtype} "
                                            f"(it has {', '.join(sorted(self.flops))})") from None
 
-    def share(self, ranks_on_node: int) -> float:
-        """The fraction of a device's rate one rank gets: 1, or cores/ranks when processes share cores."""
-        if self.shared_cores is None or ranks_on_node <= self.shared_cores:
-            return 1.0
-        return self.shared_cores / ranks_on_node
-
     def to_dict(self) -> dict:
         return asdict(self)
 

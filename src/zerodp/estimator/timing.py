@@ -25,6 +25,10 @@ What overlaps (``cluster.overlap`` of it is hidden; the first gather and the las
 
 A pipeline of ``pp`` stages runs ``m`` micro-batches in ``m + pp - 1`` slots of one stage's
 micro-batch time: the ``pp - 1`` extra slots are the bubble.
+
+Ranks that are processes sharing fewer cores (``cluster.shared_cores``, the ``local`` cluster) take
+the longer of that critical path at full speed and the node's total work over its cores: a
+rank's idle time is another's running time.
 """
 from __future__ import annotations
 
@@ -106,7 +110,6 @@ class _Links:
 
     def __init__(self, cluster: Cluster, job: Job) -> None:
         self.c, self.job = cluster, job
-        self.share = cluster.share(job.ranks_per_node)
         per_node = job.ranks_per_node
         # ranks are laid out tensor-innermost, then data, then pipeline
         self.tp_inside = job.tp <= per_node
@@ -116,7 +119,7 @@ class _Links:
     def _link(self, inside: bool) -> tuple[float, float]:
         c = self.c
         bw, lat = (c.intra_bandwidth, c.intra_latency) if inside else (c.inter_bandwidth, c.inter_latency)
-        return bw * self.share, lat
+        return bw, lat
 
     def all_reduce(self, nbytes: float, n: int, inside: bool) -> float:
         if n <= 1:
@@ -145,7 +148,7 @@ def predict(whole: ModelInfo, model: ModelInfo, acc: Accounting, stage: int, off
         raise EstimateError("seq_len", "a step time needs a micro-batch and a sequence length")
     links = _Links(cluster, job)
     dtype = "fp32" if acc.params == FP32 else job.precision
-    rate = cluster.peak(dtype) * cluster.gemm_efficiency * links.share
+    rate = cluster.peak(dtype) * cluster.gemm_efficiency
     n, m = job.dp, job.gradient_accumulation
     psi, trained = model.params, model.trainable_params
     pb, gb = acc.params, acc.grads
@@ -184,7 +187,7 @@ def predict(whole: ModelInfo, model: ModelInfo, acc: Accounting, stage: int, off
         unit = (largest_unit or psi) * pb
         fetch = 0.0
         if offload == "optimizer+params":  # each gather first reads this rank's shard from the host
-            fetch = psi * pb / n / (cluster.host_bandwidth * links.share)
+            fetch = psi * pb / n / cluster.host_bandwidth
         first = links.gather(unit, n, links.dp_inside)
         # every unit is a collective of its own: its ring steps' latency, twice gathered and once reduced
         units = max(1, -(-psi // (largest_unit or psi)))
@@ -196,9 +199,9 @@ def predict(whole: ModelInfo, model: ModelInfo, acc: Accounting, stage: int, off
     shard = trained / (n if stage >= 1 else 1)
     offload_t = 0.0
     if offload == "none":
-        optimizer_t = shard * OPTIMIZER_BYTES / (cluster.memory_bandwidth * links.share)
+        optimizer_t = shard * OPTIMIZER_BYTES / cluster.memory_bandwidth
     else:
-        host = cluster.host_bandwidth * links.share
+        host = cluster.host_bandwidth
         grads_down = hide(shard * gb / host, bwd_t)
         params_up = shard * pb / host
         optimizer_t = shard / (cluster.cpu_optimizer_rate / max(1, job.ranks_per_node))
@@ -210,15 +213,23 @@ def predict(whole: ModelInfo, model: ModelInfo, acc: Accounting, stage: int, off
         per_micro += 2 * links.send(act, links.pp_inside)
     micro = micro_compute + tp_t + per_micro
     bubble = (job.pp - 1) * micro
-    step = m * micro + bubble + boundary + optimizer_t + offload_t
+    busy = m * micro + boundary + optimizer_t + offload_t  # what one rank spends, at full speed
+    step, scale = busy + bubble, 1.0
+    cores = cluster.shared_cores
+    if cores is not None and job.ranks_per_node > cores:
+        # processes sharing cores: the node's work over its cores, unless the critical path is longer
+        # (a pipeline's idle slots are then filled by the other ranks' work)
+        work = busy * job.ranks_per_node / cores
+        if work > step:
+            step, scale, bubble = work, work / busy, 0.0
 
     tokens = job.micro_batch * job.seq_len * m * n
     world = job.tp * job.pp * n
     model_flops = 3 * forward_flops(whole, job.micro_batch, job.seq_len) * m * n
     per_device = model_flops / step / world
     hardware = per_device * (4 / 3 if job.checkpointing else 1)
-    return StepTime(compute_s=m * micro_compute, communication_s=m * (tp_t + per_micro) + boundary,
-                    optimizer_s=optimizer_t, offload_s=offload_t, bubble_s=bubble, step_time_s=step,
+    return StepTime(compute_s=scale * m * micro_compute, communication_s=scale * (m * (tp_t + per_micro) + boundary),
+                    optimizer_s=scale * optimizer_t, offload_s=scale * offload_t, bubble_s=bubble, step_time_s=step,
                     tokens_per_s=tokens / step, tokens_per_s_per_device=tokens / step / world,
                     tflops_per_device=per_device / 1e12, hardware_tflops_per_device=hardware / 1e12,
                     mfu=per_device / cluster.peak(dtype))
