@@ -207,3 +207,24 @@ def test_ranks_sharing_cores_take_the_nodes_work_over_its_cores():
     own = timed(ranks_per_node=8, pp=2, gradient_accumulation=2).row(0).step_time
     assert own.bubble_s > 0 and piped.bubble_s == 0
     assert piped.step_time_s == pytest.approx(4 * (own.step_time_s - own.bubble_s))
+
+
+def test_search_ranks_the_layouts_that_fit():
+    from zerodp.estimator.search import rank_layouts
+    found = rank_layouts(transformer(layers=8), cluster=ROUND, global_batch=16, seq_len=2048, ranks_per_node=8)
+    times = [lay.row.step_time.step_time_s for lay in found.layouts]
+    assert times == sorted(times) and len(found.layouts) > 4
+    assert {lay.tp for lay in found.layouts} >= {1, 2} and {lay.pp for lay in found.layouts} >= {1, 2}
+    assert all(lay.dp * lay.micro_batch * lay.gradient_accumulation == 16 for lay in found.layouts)
+    assert found.reason.startswith(found.layouts[0].label)
+    count_only = rank_layouts("1B", cluster=ROUND, global_batch=16, seq_len=1000, ranks_per_node=8)
+    assert {lay.tp for lay in count_only.layouts} == {1}  # no layer shapes: TP's traffic is unknown
+
+
+def test_cli_search(capsys):
+    assert cli.main(["estimate", "--model", "1B", "--time", "--cluster", "h100-8x", "--search"]) == 2
+    assert "--search needs --global-batch" in capsys.readouterr().err
+    assert cli.main(["estimate", "--model", "1B", "--time", "--cluster", "h100-8x", "--search", "--global-batch", "32",
+                     "--seq", "2048", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["layouts"] and doc["layouts"][0]["step_time_s"] <= doc["layouts"][-1]["step_time_s"]

@@ -160,7 +160,10 @@ def predict(whole: ModelInfo, model: ModelInfo, acc: Accounting, stage: int, off
 
     # tensor parallelism: two all-reduces of the activations per layer forward, two backward
     tp_t = 0.0
-    if job.tp > 1 and model.transformer is not None:
+    if job.tp > 1 and model.transformer is None:
+        raise EstimateError("tp", "a step time with tensor parallelism needs the model's layer shapes (a "
+                                  "transformers config or a factory), not a bare count")
+    if job.tp > 1:
         t = model.transformer
         act = job.micro_batch * job.seq_len * t.hidden * (2 if dtype != "fp32" else 4)
         per_layer = links.all_reduce(act, job.tp, links.tp_inside)

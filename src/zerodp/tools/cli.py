@@ -143,6 +143,9 @@ def _estimate_add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--recalibrate", action="store_true", help="with --cluster local: probe again instead of the cache")
     add("--gradient-accumulation", "--gas", dest="gradient_accumulation", default="1",
         help="micro-batches per optimizer step, for --time (default 1)")
+    add("--search", action="store_true", help="with --time: try every tensor x pipeline x data-parallel split, "
+        "micro-batch (1-16) and activation checkpointing for --global-batch, and rank the layouts that fit")
+    add("--global-batch", default=None, help="sequences per optimizer step, for --search")
     add("--json", action="store_true", help="print a JSON document instead of the table")
 
 
@@ -161,6 +164,8 @@ def _run_estimate(args: argparse.Namespace) -> int:
     if args.cluster is not None and not args.time:
         _error("--cluster is for --time: add --time", "estimate")
         return 2
+    if args.search:
+        return _run_search(args, defaults)
     if args.time:
         defaults.update(cluster=args.cluster, gradient_accumulation=args.gradient_accumulation,
                         recalibrate=args.recalibrate)
@@ -179,6 +184,29 @@ def _run_estimate(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_dict(), indent=2) if args.json else result.format(), flush=True)
     except BrokenPipeError:  # the reader stopped early (e.g. piped into head): not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
+
+def _run_search(args: argparse.Namespace, defaults: dict) -> int:
+    import json
+
+    from .. import estimator
+    from ..estimator.search import rank_layouts
+    if args.global_batch is None or args.seq_len is None:
+        _error("--search needs --global-batch and --seq", "estimate")
+        return 2
+    ranks = None if args.ranks_per_node == "1" else args.ranks_per_node
+    try:
+        found = rank_layouts(args.model, model_kwargs=args.model_kwargs, cluster=args.cluster, nodes=args.nodes,
+                             ranks_per_node=ranks, global_batch=args.global_batch, seq_len=int(args.seq_len),
+                             recalibrate=args.recalibrate, device_memory=args.device_memory,
+                             cpu_memory=args.cpu_memory, precision=args.precision, optimizer=args.optimizer,
+                             accounting=args.accounting, **defaults)
+    except (estimator.EstimateError, ValueError) as e:
+        name = getattr(e, "name", "search")
+        _error(f"--{name.replace('_', '-')}: {getattr(e, 'detail', e)}", "estimate")
+        return 2
+    print(json.dumps(found.to_dict(), indent=2) if args.json else found.format(), flush=True)
     return 0
 
 
