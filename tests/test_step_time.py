@@ -228,3 +228,10 @@ def test_cli_search(capsys):
                      "--seq", "2048", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["layouts"] and doc["layouts"][0]["step_time_s"] <= doc["layouts"][-1]["step_time_s"]
+
+
+def test_fused_attention_drops_the_scores_from_the_activations():
+    m = transformer()
+    plain = zerodp.estimate(m, seq_len=2048, micro_batch=2).activations
+    fused = zerodp.estimate(m, seq_len=2048, micro_batch=2, fused_attention=True).activations
+    assert plain.per_layer - fused.per_layer == 5 * 16 * 2048 * 2048 * 2 * 2 // 2  # 5·a·s²·b in bf16

@@ -34,16 +34,20 @@ ACTIVATION_ASSUMPTIONS = (
     "an upper bound for such models")
 
 
-def layer_activation_bytes(shape: TransformerShape, micro_batch: int, seq_len: int, p: int) -> int:
-    """One layer's activations kept for backward (Korthikanti et al.), in ``p``-byte precision."""
+def layer_activation_bytes(shape: TransformerShape, micro_batch: int, seq_len: int, p: int,
+                           fused_attention: bool = False) -> int:
+    """One layer's activations kept for backward (Korthikanti et al.), in ``p``-byte precision;
+    ``fused_attention``: without the ``5·a·s²·b`` of attention scores, softmax and its dropout
+    mask, which fused kernels (flash, ``scaled_dot_product_attention``) recompute instead."""
     b, s = micro_batch, seq_len
     # attention 11·s·b·h + 5·a·s²·b, two LayerNorms 4·s·b·h, MLP s·b·(3·h + 4·f)
-    sixteen_bit = s * b * (18 * shape.hidden + 4 * shape.ffn) + 5 * shape.heads * s * s * b
+    scores = 0 if fused_attention else 5 * shape.heads * s * s * b
+    sixteen_bit = s * b * (18 * shape.hidden + 4 * shape.ffn) + scores
     return sixteen_bit * p // 2
 
 
 def estimate_activations(model: ModelInfo, precision: str, micro_batch: Optional[int],
-                         seq_len: Optional[int], checkpointing: bool) -> Activations:
+                         seq_len: Optional[int], checkpointing: bool, fused_attention: bool = False) -> Activations:
     """Activations for a known transformer; for other models a reason why not."""
     shape = model.transformer
     if shape is None:
@@ -56,7 +60,7 @@ def estimate_activations(model: ModelInfo, precision: str, micro_batch: Optional
     if s is None:
         raise EstimateError("seq_len", "the model config gives no context length; give one")
     p = PRECISIONS[precision]
-    layer = layer_activation_bytes(shape, b, s, p)
+    layer = layer_activation_bytes(shape, b, s, p, fused_attention)
     logits = s * b * shape.vocab * (p + FP32)
     if checkpointing:
         kept = shape.layers * s * b * shape.hidden * p + layer
@@ -69,5 +73,7 @@ def estimate_activations(model: ModelInfo, precision: str, micro_batch: Optional
         where.append("micro-batch 1 (default)")
     if seq_len is None:
         where.append(f"sequence {s} (the model's context length)")
-    note = f"{how}; {ACTIVATION_ASSUMPTIONS}" + (f"; {', '.join(where)}" if where else "")
+    assumptions = (ACTIVATION_ASSUMPTIONS.split("; counts")[0] + "; fused attention: no a·s² scores stored"
+                   if fused_attention else ACTIVATION_ASSUMPTIONS)
+    note = f"{how}; {assumptions}" + (f"; {', '.join(where)}" if where else "")
     return Activations(kept + logits, b, s, checkpointing, layer, logits, ACTIVATION_FORMULA, note)

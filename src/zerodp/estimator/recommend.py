@@ -96,7 +96,7 @@ def estimate(model: Union[str, int, nn.Module, ModelInfo], *, nodes: int = 1, ra
              reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET,
              max_live_parameters: int = DEFAULT_MAX_LIVE, tp: int = 1,
              shard_size: Optional[int] = None, pp: int = 1, cluster: Union[None, str, dict, Cluster] = None,
-             gradient_accumulation: int = 1, recalibrate: bool = False) -> Estimate:
+             gradient_accumulation: int = 1, recalibrate: bool = False, fused_attention: bool = False) -> Estimate:
     """Per-rank memory of ZeRO stages 0-3, with and without offload, and a recommendation.
 
     ``model``: a parameter count (``"7.5B"`` or an int), a path to a ``transformers`` config
@@ -108,6 +108,7 @@ def estimate(model: Union[str, int, nn.Module, ModelInfo], *, nodes: int = 1, ra
     parameters the model's plan splits; ZeRO shards over the N / tp data-parallel ranks);
     ``shard_size``: hybrid sharding, ZeRO shards over groups of that many data-parallel ranks;
     ``pp``: pipeline stages, each holding 1/pp of the parameters (an even split).
+    ``fused_attention``: activations without the attention scores (flash attention, SDPA).
     ``cluster`` (a preset name, ``"local"``, a JSON file or a :class:`Cluster`): every row also
     gets its predicted step time (``row.step_time``) for ``micro_batch`` (default 1) x ``seq_len``
     (default: the model's context) x ``gradient_accumulation`` micro-batches per step, and the
@@ -145,7 +146,7 @@ def estimate(model: Union[str, int, nn.Module, ModelInfo], *, nodes: int = 1, ra
         n = shard_size
     whole = info
     info = info.local(tp).stage(pp)
-    acts = estimate_activations(info, precision, micro_batch, seq_len, checkpointing)
+    acts = estimate_activations(info, precision, micro_batch, seq_len, checkpointing, fused_attention)
     buffers = estimate_buffers(info, acc.params, reduce_bucket_size, max_live_parameters, pipeline=pp > 1)
     rows = [_with_fit(estimate_row(acc, info, stage, off, n, ranks_per_node, buffers, acts.bytes),
                       device, cpu) for stage, off in ROW_KEYS]

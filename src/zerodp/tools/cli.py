@@ -131,6 +131,8 @@ def _estimate_add_arguments(parser: argparse.ArgumentParser) -> None:
         "context length)")
     add("--checkpointing", action="store_true",
         help="activation checkpointing: keep each layer's input, recompute one layer at a time")
+    add("--fused-attention", action="store_true", help="activations without the attention scores, as with "
+        "flash attention or scaled_dot_product_attention (default: counted, an upper bound)")
     add("--reduce-bucket-size", default=None, help="zero_optimization.reduce_bucket_size in "
         "elements (default as in the config schema)")
     add("--max-live-parameters", default=None, help="zero_optimization.stage3_max_live_parameters "
@@ -175,7 +177,7 @@ def _run_estimate(args: argparse.Namespace) -> int:
             ranks_per_node=args.ranks_per_node, device_memory=args.device_memory,
             cpu_memory=args.cpu_memory, precision=args.precision, optimizer=args.optimizer,
             accounting=args.accounting, micro_batch=args.micro_batch, seq_len=args.seq_len,
-            checkpointing=args.checkpointing, tp=args.tp, pp=args.pp,
+            checkpointing=args.checkpointing, fused_attention=args.fused_attention, tp=args.tp, pp=args.pp,
             shard_size=None if args.hybrid_shard is None else args.hybrid_shard, **defaults)
     except estimator.EstimateError as e:
         _error(f"--{e.name.replace('_', '-')}: {e.detail}", "estimate")
@@ -201,7 +203,7 @@ def _run_search(args: argparse.Namespace, defaults: dict) -> int:
                              ranks_per_node=ranks, global_batch=args.global_batch, seq_len=int(args.seq_len),
                              recalibrate=args.recalibrate, device_memory=args.device_memory,
                              cpu_memory=args.cpu_memory, precision=args.precision, optimizer=args.optimizer,
-                             accounting=args.accounting, **defaults)
+                             accounting=args.accounting, fused_attention=args.fused_attention, **defaults)
     except (estimator.EstimateError, ValueError) as e:
         name = getattr(e, "name", "search")
         _error(f"--{name.replace('_', '-')}: {getattr(e, 'detail', e)}", "estimate")
