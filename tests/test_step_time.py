@@ -235,3 +235,15 @@ def test_fused_attention_drops_the_scores_from_the_activations():
     plain = zerodp.estimate(m, seq_len=2048, micro_batch=2).activations
     fused = zerodp.estimate(m, seq_len=2048, micro_batch=2, fused_attention=True).activations
     assert plain.per_layer - fused.per_layer == 5 * 16 * 2048 * 2048 * 2 * 2 // 2  # 5·a·s²·b in bf16
+
+
+def test_waiting_out_a_rings_latency_is_not_work_on_shared_cores():
+    """Collectives that cost only latency (bandwidth unbounded): 8 ranks on 2 cores take 4x their
+    compute and optimizer, but the wait only once."""
+    fast = {**ROUND.to_dict(), "intra_bandwidth": 1e30, "intra_latency": 1e-3, "overlap": 0.0}
+    shared = Cluster(**{**fast, "shared_cores": 2})
+    own = timed(ranks_per_node=8, cluster=Cluster(**fast)).row(0).step_time
+    crowded = timed(ranks_per_node=8, cluster=shared).row(0).step_time
+    wait = 2 * 7 * 1e-3  # the boundary all-reduce, 2(N-1) steps (nothing overlaps: no separate last bucket)
+    assert own.communication_s == pytest.approx(wait)
+    assert crowded.step_time_s == pytest.approx(4 * (own.step_time_s - wait) + wait)

@@ -28,7 +28,8 @@ micro-batch time: the ``pp - 1`` extra slots are the bubble.
 
 Ranks that are processes sharing fewer cores (``cluster.shared_cores``, the ``local`` cluster) take
 the longer of that critical path at full speed and the node's total work over its cores: a
-rank's idle time is another's running time.
+rank's idle time (the bubble, the latency part of its exposed collectives) is another's running
+time.
 """
 from __future__ import annotations
 
@@ -115,28 +116,39 @@ class _Links:
         self.tp_inside = job.tp <= per_node
         self.dp_inside = job.tp * job.dp <= per_node
         self.pp_inside = job.tp * job.dp * job.pp <= per_node
+        self.latency = self.transfer = 0.0  # seconds of every collective costed, by part
 
     def _link(self, inside: bool) -> tuple[float, float]:
         c = self.c
         bw, lat = (c.intra_bandwidth, c.intra_latency) if inside else (c.inter_bandwidth, c.inter_latency)
         return bw, lat
 
+    def _cost(self, transfer: float, latency: float) -> float:
+        self.transfer += transfer
+        self.latency += latency
+        return transfer + latency
+
+    def latency_share(self) -> float:
+        """The part of the collectives' time that is waiting for the ring's steps, not moving bytes."""
+        total = self.latency + self.transfer
+        return self.latency / total if total else 0.0
+
     def all_reduce(self, nbytes: float, n: int, inside: bool) -> float:
         if n <= 1:
             return 0.0
         bw, lat = self._link(inside)
-        return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * lat
+        return self._cost(2 * (n - 1) / n * nbytes / bw, 2 * (n - 1) * lat)
 
     def gather(self, nbytes: float, n: int, inside: bool) -> float:
         """An all-gather or reduce-scatter whose full buffer is ``nbytes``."""
         if n <= 1:
             return 0.0
         bw, lat = self._link(inside)
-        return (n - 1) / n * nbytes / bw + (n - 1) * lat
+        return self._cost((n - 1) / n * nbytes / bw, (n - 1) * lat)
 
     def send(self, nbytes: float, inside: bool) -> float:
         bw, lat = self._link(inside)
-        return nbytes / bw + lat
+        return self._cost(nbytes / bw, lat)
 
 
 def predict(whole: ModelInfo, model: ModelInfo, acc: Accounting, stage: int, offload: str, job: Job,
@@ -221,8 +233,9 @@ def predict(whole: ModelInfo, model: ModelInfo, acc: Accounting, stage: int, off
     cores = cluster.shared_cores
     if cores is not None and job.ranks_per_node > cores:
         # processes sharing cores: the node's work over its cores, unless the critical path is longer
-        # (a pipeline's idle slots are then filled by the other ranks' work)
-        work = busy * job.ranks_per_node / cores
+        # (a pipeline's idle slots, and a rank waiting out a ring's latency, give the core to another)
+        waiting = (m * (tp_t + per_micro) + boundary) * links.latency_share()
+        work = (busy - waiting) * job.ranks_per_node / cores + waiting
         if work > step:
             step, scale, bubble = work, work / busy, 0.0
 
