@@ -247,3 +247,14 @@ def test_waiting_out_a_rings_latency_is_not_work_on_shared_cores():
     wait = 2 * 7 * 1e-3  # the boundary all-reduce, 2(N-1) steps (nothing overlaps: no separate last bucket)
     assert own.communication_s == pytest.approx(wait)
     assert crowded.step_time_s == pytest.approx(4 * (own.step_time_s - wait) + wait)
+
+
+def test_efficiency_by_width_is_interpolated_in_log_width():
+    c = Cluster(**{**ROUND.to_dict(), "efficiency_by_width": {128: 0.5, 512: 0.9}})
+    assert c.efficiency(128) == 0.5 and c.efficiency(64) == 0.5 and c.efficiency(4096) == 0.9
+    assert c.efficiency(256) == pytest.approx(0.7)  # halfway in log-width
+    assert c.efficiency(None) == ROUND.gemm_efficiency and ROUND.efficiency(256) == ROUND.gemm_efficiency
+    m = transformer(hidden=512)
+    one = zerodp.estimate(m, cluster=c, seq_len=2048, micro_batch=2).row(0).step_time
+    tp2 = zerodp.estimate(m, cluster=c, seq_len=2048, micro_batch=2, ranks_per_node=2, tp=2).row(0).step_time
+    assert tp2.compute_s == pytest.approx(one.compute_s / 2 * 0.9 / c.efficiency(256))  # a rank's 256 wide

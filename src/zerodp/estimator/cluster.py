@@ -11,6 +11,7 @@ their sources.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import time
@@ -33,6 +34,9 @@ class Cluster:
     """Peak dense FLOP/s per device by compute dtype: ``"fp32"``, ``"bf16"``, ``"fp16"``."""
     gemm_efficiency: float = 0.6
     """Fraction of the peak that a transformer's matrix multiplications reach."""
+    efficiency_by_width: dict = field(default_factory=dict)
+    """Measured efficiency by a layer's hidden width on one rank (``local``): narrow matmuls (a
+    tensor-parallel rank's share) reach less of the peak. Empty: ``gemm_efficiency`` at any width."""
     device_memory: Optional[int] = None
     memory_bandwidth: float = 2000 * GBps
     """Device memory bytes/s (the optimizer step is bound by it)."""
@@ -57,6 +61,19 @@ class Cluster:
     """``local``: the ranks are processes sharing this many CPU cores, so compute and copies
     slow down once there are more ranks than cores."""
     description: str = ""
+
+    def efficiency(self, width: Optional[int] = None) -> float:
+        """The efficiency at a layer width (interpolated in log-width between measured widths)."""
+        table = sorted((int(w), float(e)) for w, e in self.efficiency_by_width.items())
+        if width is None or not table:
+            return self.gemm_efficiency
+        if width <= table[0][0]:
+            return table[0][1]
+        for (w0, e0), (w1, e1) in zip(table, table[1:]):
+            if width <= w1:
+                f = math.log(width / w0) / math.log(w1 / w0)
+                return e0 + f * (e1 - e0)
+        return table[-1][1]
 
     def peak(self, dtype: str) -> float:
         try:
@@ -159,12 +176,14 @@ def _probe_compute() -> dict:
     a16, b16 = a[:128].bfloat16(), b[:, :256].bfloat16()
     bf16 = 2 * 128 * 1024 * 256 / _timed(lambda: a16 @ b16)
     # a transformer layer's forward and backward: matmuls with what surrounds them (norms,
-    # softmax, activations), the rate the efficiency is measured by
-    h, seq, batch = 256, 256, 4
-    layer = torch.nn.TransformerEncoderLayer(h, 4, 4 * h, dropout=0.0, batch_first=True)
-    x = torch.randn(batch, seq, h)
-    layer_flops = 3 * (2 * 12 * h * h * batch * seq + 4 * batch * seq * seq * h)
-    layer_rate = layer_flops / _timed(lambda: layer(x).sum().backward(), 0.5)
+    # softmax, activations), the rate the efficiency is measured by, at three widths
+    widths = {}
+    for h in (128, 256, 512):
+        seq, batch = 256, 4
+        layer = torch.nn.TransformerEncoderLayer(h, 4, 4 * h, dropout=0.0, batch_first=True)
+        x = torch.randn(batch, seq, h)
+        layer_flops = 3 * (2 * 12 * h * h * batch * seq + 4 * batch * seq * seq * h)
+        widths[h] = layer_flops / _timed(lambda layer=layer, x=x: layer(x).sum().backward(), 0.4)
     params = [torch.zeros(1 << 18, requires_grad=True) for _ in range(8)]
     for p in params:
         p.grad = torch.randn_like(p)
@@ -173,7 +192,7 @@ def _probe_compute() -> dict:
     src = torch.randn(1 << 23)
     dst = torch.empty_like(src)
     copy = src.numel() * 4 / _timed(lambda: dst.copy_(src))
-    return {"fp32": fp32, "bf16": bf16, "adam": adam, "copy": copy, "layer": layer_rate}
+    return {"fp32": fp32, "bf16": bf16, "adam": adam, "copy": copy, "layer": widths[256], "widths": widths}
 
 
 def _probe_worker(rank: int, world: int, port: int, out) -> None:
@@ -243,6 +262,7 @@ def probe_local(use_cache: bool = True) -> Cluster:
     cluster = Cluster(name="local", devices_per_node=cores, flops={"fp32": c["fp32"], "bf16": c["bf16"],
                                                                     "fp16": c["bf16"]},
                       gemm_efficiency=min(1.0, c["layer"] / c["fp32"]), device_memory=memory,
+                      efficiency_by_width={w: min(1.0, r / c["fp32"]) for w, r in c["widths"].items()},
                       memory_bandwidth=c["adam"] * 32,
                       intra_bandwidth=bandwidth, intra_latency=latency, inter_bandwidth=bandwidth,
                       inter_latency=latency, host_bandwidth=c["copy"], disk_bandwidth=1 * GBps,

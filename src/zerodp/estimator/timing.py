@@ -6,8 +6,9 @@ Per micro-batch, a data-parallel rank computes ``F / (tp * pp)`` FLOPs, where ``
 model's forward-and-backward FLOPs for the micro-batch: three forwards' worth, ``6 Psi b s``, plus
 for a known transformer shape attention's ``12 b s^2 h L`` (Megatron-LM's count, up to how it
 counts the output layer); activation recomputation runs the forward once more (four). Compute
-time is FLOPs over the device's peak times ``gemm_efficiency`` (a third forward, two thirds
-backward). Collectives run as rings: an all-reduce of ``B`` bytes over ``N`` ranks takes
+time is FLOPs over the device's peak times its efficiency (a third forward, two thirds backward):
+``gemm_efficiency``, or on a cluster that measured it by width (``local``), the efficiency at one
+rank's width of the layers, ``h / tp``. Collectives run as rings: an all-reduce of ``B`` bytes over ``N`` ranks takes
 ``2 (N-1)/N B / bw + 2 (N-1) lat``, a reduce-scatter or all-gather half that, with the bandwidth
 and latency of the node's links when the group fits in a node and of the network otherwise.
 
@@ -160,7 +161,9 @@ def predict(whole: ModelInfo, model: ModelInfo, acc: Accounting, stage: int, off
         raise EstimateError("seq_len", "a step time needs a micro-batch and a sequence length")
     links = _Links(cluster, job)
     dtype = "fp32" if acc.params == FP32 else job.precision
-    rate = cluster.peak(dtype) * cluster.gemm_efficiency
+    # a tensor-parallel rank multiplies matrices 1/tp as wide
+    width = whole.transformer.hidden // job.tp if whole.transformer else None
+    rate = cluster.peak(dtype) * cluster.efficiency(width)
     n, m = job.dp, job.gradient_accumulation
     psi, trained = model.params, model.trainable_params
     pb, gb = acc.params, acc.grads
