@@ -15,7 +15,7 @@ import math
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional, Union
 
@@ -275,7 +275,3 @@ def probe_local(use_cache: bool = True) -> Cluster:
     except OSError:
         pass
     return cluster
-
-
-def with_overrides(cluster: Cluster, **changes) -> Cluster:
-    return replace(cluster, **changes)

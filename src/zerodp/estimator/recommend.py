@@ -72,7 +72,7 @@ def _reason(row: Row, by_key: dict, device_memory: int, act: str) -> str:
 
 def _recommend_by_time(rows: list[Row], device_memory: Optional[int]) -> tuple[Optional[Row], str]:
     """The configuration predicted fastest among those that fit, and why."""
-    fitting = [r for r in rows if r.step_time is not None and (r.fits or device_memory is None)]
+    fitting = [r for r in rows if r.runnable and r.step_time is not None and (r.fits or device_memory is None)]
     if not fitting:
         return None, "nothing fits (see the device column); no step time to compare"
     best = min(fitting, key=lambda r: r.step_time.step_time_s)
@@ -155,7 +155,7 @@ def estimate(model: Union[str, int, nn.Module, ModelInfo], *, nodes: int = 1, ra
         if seq is None:
             raise EstimateError("seq_len", "a step time needs the sequence length: pass seq_len")
         job = Job(micro_batch=micro_batch or 1, seq_len=seq, gradient_accumulation=gradient_accumulation,
-                  checkpointing=checkpointing, tp=tp, pp=pp, dp=world // (tp * pp), nodes=nodes,
+                  checkpointing=checkpointing, tp=tp, pp=pp, dp=world // (tp * pp),
                   ranks_per_node=ranks_per_node, precision=precision, reduce_bucket_size=reduce_bucket_size)
         rows = [replace(r, step_time=predict(whole, info, acc, r.stage, r.offload, job, machines,
                                              largest_unit=info.largest_unit)) for r in rows]

@@ -9,7 +9,7 @@ from typing import Optional, Sequence, Union
 from torch import nn
 
 from .cluster import Cluster, resolve_cluster
-from .inputs import EstimateError, _gb, _positive_int
+from .inputs import _gb, _positive_int
 from .model import ModelInfo, resolve_model
 from .recommend import estimate
 from .stages import Row
@@ -97,6 +97,7 @@ def rank_layouts(model: Union[str, int, nn.Module, ModelInfo], *, cluster: Union
     machines = resolve_cluster(cluster, recalibrate=recalibrate)
     ranks_per_node = _positive_int(ranks_per_node or machines.devices_per_node, "ranks_per_node")
     global_batch = _positive_int(global_batch, "global_batch")
+    seq_len = _positive_int(seq_len, "seq_len")
     info = resolve_model(model, model_kwargs)
     world = _positive_int(nodes, "nodes") * ranks_per_node
     layers = info.transformer.layers if info.transformer else 1
@@ -111,15 +112,10 @@ def rank_layouts(model: Union[str, int, nn.Module, ModelInfo], *, cluster: Union
                     continue
                 gas = global_batch // (dp * mb)
                 for ckpt in checkpointing:
-                    try:
-                        est = estimate(info, nodes=nodes, ranks_per_node=ranks_per_node, tp=tp, pp=pp, micro_batch=mb,
-                                       seq_len=seq_len, checkpointing=ckpt, cluster=machines,
-                                       gradient_accumulation=gas, **options)
-                    except EstimateError:
-                        continue
-                    for row in est.rows:
-                        if row.stage == 0 and row.offload != "none":
-                            continue  # shown for comparison only, never used
+                    est = estimate(info, nodes=nodes, ranks_per_node=ranks_per_node, tp=tp, pp=pp, micro_batch=mb,
+                                   seq_len=seq_len, checkpointing=ckpt, cluster=machines, gradient_accumulation=gas,
+                                   **options)
+                    for row in [r for r in est.rows if r.runnable]:
                         tried += 1
                         if row.fits is not False:
                             found.append(Layout(tp, pp, dp, mb, gas, ckpt, row))

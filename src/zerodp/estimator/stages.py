@@ -50,6 +50,12 @@ class Row:
         return f"stage {self.stage}{extra}"
 
     @property
+    def runnable(self) -> bool:
+        """Whether zerodp runs this configuration: offload needs stage 1 or more (the stage 0
+        offload row is there for comparison only)."""
+        return self.stage > 0 or self.offload == "none"
+
+    @property
     def model_states(self) -> int:
         return self.parameters + self.gradients + self.master_weights + self.optimizer_states
 

@@ -58,7 +58,6 @@ class Job:
     tp: int = 1
     pp: int = 1
     dp: int = 1
-    nodes: int = 1
     ranks_per_node: int = 1
     precision: str = "bf16"
     reduce_bucket_size: int = 500_000_000
@@ -119,7 +118,7 @@ class _Links:
         self.pp_inside = job.tp * job.dp * job.pp <= per_node
         self.latency = self.transfer = 0.0  # seconds of every collective costed, by part
 
-    def _link(self, inside: bool) -> tuple[float, float]:
+    def link(self, inside: bool) -> tuple[float, float]:
         c = self.c
         bw, lat = (c.intra_bandwidth, c.intra_latency) if inside else (c.inter_bandwidth, c.inter_latency)
         return bw, lat
@@ -137,18 +136,18 @@ class _Links:
     def all_reduce(self, nbytes: float, n: int, inside: bool) -> float:
         if n <= 1:
             return 0.0
-        bw, lat = self._link(inside)
+        bw, lat = self.link(inside)
         return self._cost(2 * (n - 1) / n * nbytes / bw, 2 * (n - 1) * lat)
 
     def gather(self, nbytes: float, n: int, inside: bool) -> float:
         """An all-gather or reduce-scatter whose full buffer is ``nbytes``."""
         if n <= 1:
             return 0.0
-        bw, lat = self._link(inside)
+        bw, lat = self.link(inside)
         return self._cost((n - 1) / n * nbytes / bw, (n - 1) * lat)
 
     def send(self, nbytes: float, inside: bool) -> float:
-        bw, lat = self._link(inside)
+        bw, lat = self.link(inside)
         return self._cost(nbytes / bw, lat)
 
 
@@ -209,7 +208,7 @@ def predict(whole: ModelInfo, model: ModelInfo, acc: Accounting, stage: int, off
         first = links.gather(unit, n, links.dp_inside)
         # every unit is a collective of its own: its ring steps' latency, twice gathered and once reduced
         units = max(1, -(-psi // (largest_unit or psi)))
-        per_unit = 3 * (units - 1) * (n - 1) * links._link(links.dp_inside)[1]
+        per_unit = 3 * (units - 1) * (n - 1) * links.link(links.dp_inside)[1]
         per_micro = (hide(params_ag + fetch, fwd_t) + hide(params_ag + fetch + grads_rs, bwd_t) + first
                      + per_unit)
 

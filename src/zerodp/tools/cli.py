@@ -109,8 +109,8 @@ def _estimate_add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--model-kwargs", default=None, metavar="JSON",
         help='keyword arguments for a factory, a JSON object (e.g. \'{"preset": "small"}\')')
     add("--nodes", default="1", help="number of nodes (default 1)")
-    add("--ranks-per-node", "--gpus-per-node", dest="ranks_per_node", default="1",
-        help="ranks (devices) per node (default 1)")
+    add("--ranks-per-node", "--gpus-per-node", dest="ranks_per_node", default=None,
+        help="ranks (devices) per node (default 1; with --search, the cluster's devices per node)")
     add("--tp", default="1", help="tensor-parallel size: each layer split over this many ranks, ZeRO "
         "sharding over the rest (default 1)")
     add("--pp", default="1", help="pipeline stages: each holds its share of the layers (an even split), ZeRO "
@@ -174,7 +174,7 @@ def _run_estimate(args: argparse.Namespace) -> int:
     try:
         result = estimator.estimate(
             args.model, model_kwargs=args.model_kwargs, nodes=args.nodes,
-            ranks_per_node=args.ranks_per_node, device_memory=args.device_memory,
+            ranks_per_node=args.ranks_per_node or "1", device_memory=args.device_memory,
             cpu_memory=args.cpu_memory, precision=args.precision, optimizer=args.optimizer,
             accounting=args.accounting, micro_batch=args.micro_batch, seq_len=args.seq_len,
             checkpointing=args.checkpointing, fused_attention=args.fused_attention, tp=args.tp, pp=args.pp,
@@ -197,16 +197,14 @@ def _run_search(args: argparse.Namespace, defaults: dict) -> int:
     if args.global_batch is None or args.seq_len is None:
         _error("--search needs --global-batch and --seq", "estimate")
         return 2
-    ranks = None if args.ranks_per_node == "1" else args.ranks_per_node
     try:
         found = rank_layouts(args.model, model_kwargs=args.model_kwargs, cluster=args.cluster, nodes=args.nodes,
-                             ranks_per_node=ranks, global_batch=args.global_batch, seq_len=int(args.seq_len),
+                             ranks_per_node=args.ranks_per_node, global_batch=args.global_batch, seq_len=args.seq_len,
                              recalibrate=args.recalibrate, device_memory=args.device_memory,
                              cpu_memory=args.cpu_memory, precision=args.precision, optimizer=args.optimizer,
                              accounting=args.accounting, fused_attention=args.fused_attention, **defaults)
-    except (estimator.EstimateError, ValueError) as e:
-        name = getattr(e, "name", "search")
-        _error(f"--{name.replace('_', '-')}: {getattr(e, 'detail', e)}", "estimate")
+    except estimator.EstimateError as e:
+        _error(f"--{e.name.replace('_', '-')}: {e.detail}", "estimate")
         return 2
     print(json.dumps(found.to_dict(), indent=2) if args.json else found.format(), flush=True)
     return 0

@@ -50,6 +50,36 @@ def construct(strategy: Any, deepspeed_cls: type, ddp_cls: type, args: tuple, kw
         setattr(strategy, name, a[name])
 
 
+class ZerodpCalls:
+    """The part of both strategies that is the same: a mixin placed before Lightning's
+    ``DeepSpeedStrategy`` (the Trainer's or Fabric's, ``_deepspeed``), whose environment set-up is
+    its base ``_ddp``'s on any accelerator zerodp runs on, and whose calls into DeepSpeed go to
+    zerodp."""
+
+    _deepspeed: type
+    _ddp: type
+
+    def setup_environment(self) -> None:
+        check_device(self)
+        self._ddp.setup_environment(self)  # DeepSpeedStrategy's own refuses all but CUDA
+
+    def _init_deepspeed_distributed(self) -> None:
+        init_distributed(self)
+
+    def _set_deepspeed_activation_checkpointing(self) -> None:
+        configure_activation_checkpointing(self.config)
+
+    def engine_metrics(self) -> dict[str, float]:
+        """This rank's model-state memory by category and bytes communicated in the last step."""
+        return engine_metrics(self.model)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """DeepSpeed's strategy names with ``zerodp`` in place of ``deepspeed``, for this class."""
+        for name, description, params in registry_entries(cls._deepspeed):
+            strategy_registry.register(name, cls, description=description, override=True, **params)
+
+
 def check_device(strategy: Any) -> None:
     """Refuse an accelerator zerodp does not run on (it runs on CPU with gloo and CUDA with NCCL)."""
     kinds = {d.type for d in (strategy.parallel_devices or [])}

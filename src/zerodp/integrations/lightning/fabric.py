@@ -21,7 +21,7 @@ from zerodp.engine import ZeroEngine
 from . import common
 
 
-class ZeroFabricStrategy(DeepSpeedStrategy):
+class ZeroFabricStrategy(common.ZerodpCalls, DeepSpeedStrategy):
     """ZeRO stages 1-3 with offload for ``lightning.Fabric``, by zerodp.
 
     The arguments and registered names are those of :class:`zerodp.lightning.ZeroStrategy`
@@ -34,6 +34,7 @@ class ZeroFabricStrategy(DeepSpeedStrategy):
     """
 
     strategy_name = "zerodp"
+    _deepspeed, _ddp = DeepSpeedStrategy, DDPStrategy
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         common.construct(self, DeepSpeedStrategy, DDPStrategy, args, kwargs)
@@ -44,10 +45,6 @@ class ZeroFabricStrategy(DeepSpeedStrategy):
 
     # -- where Lightning's DeepSpeedStrategy calls DeepSpeed -----------------------------------
 
-    def setup_environment(self) -> None:
-        common.check_device(self)
-        DDPStrategy.setup_environment(self)  # DeepSpeedStrategy's own refuses all but CUDA
-
     def _setup_distributed(self) -> None:
         common.check_device_indices(self)
         reset_seed()
@@ -57,9 +54,6 @@ class ZeroFabricStrategy(DeepSpeedStrategy):
             self._format_config()
             self._config_initialized = True
 
-    def _init_deepspeed_distributed(self) -> None:
-        common.init_distributed(self)
-
     def _initialize_engine(self, model: nn.Module, optimizer: Optional[Optimizer] = None,
                            scheduler: Any = None) -> tuple:
         return common.initialize(self, model, self.config, optimizer, scheduler, training=optimizer is not None)
@@ -67,9 +61,6 @@ class ZeroFabricStrategy(DeepSpeedStrategy):
     def module_sharded_context(self):
         assert self._config_initialized  # the config is complete once the processes are set up
         return common.sharded_init(self)
-
-    def _set_deepspeed_activation_checkpointing(self) -> None:
-        common.configure_activation_checkpointing(self.config)
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """``optimizer.step()`` of the optimizer ``fabric.setup`` returned is the engine's step:
@@ -129,15 +120,6 @@ class ZeroFabricStrategy(DeepSpeedStrategy):
             else:
                 state[key] = value
         return client
-
-    def engine_metrics(self) -> dict[str, float]:
-        """This rank's model-state memory by category and bytes communicated in the last step."""
-        return common.engine_metrics(self._deepspeed_engine)
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, description, params in common.registry_entries(DeepSpeedStrategy):
-            strategy_registry.register(name, cls, description=description, override=True, **params)
 
 
 def _one_engine(state: dict, verb: str) -> ZeroEngine:

@@ -19,7 +19,7 @@ from torch import nn
 from . import common
 
 
-class ZeroStrategy(DeepSpeedStrategy):
+class ZeroStrategy(common.ZerodpCalls, DeepSpeedStrategy):
     """ZeRO stages 1-3 with offload for ``lightning.Trainer``, by zerodp.
 
     Takes the arguments of Lightning's ``DeepSpeedStrategy`` (``stage``, ``offload_optimizer``,
@@ -34,6 +34,7 @@ class ZeroStrategy(DeepSpeedStrategy):
     """
 
     strategy_name = "zerodp"
+    _deepspeed, _ddp = DeepSpeedStrategy, DDPStrategy
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         common.construct(self, DeepSpeedStrategy, DDPStrategy, args, kwargs)
@@ -44,18 +45,11 @@ class ZeroStrategy(DeepSpeedStrategy):
 
     # -- where Lightning's DeepSpeedStrategy calls DeepSpeed -----------------------------------
 
-    def setup_environment(self) -> None:
-        common.check_device(self)
-        DDPStrategy.setup_environment(self)  # DeepSpeedStrategy's own refuses all but CUDA
-
     def setup_distributed(self) -> None:
         common.check_device_indices(self)
         reset_seed()
         self.set_world_ranks()
         self._init_deepspeed_distributed()
-
-    def _init_deepspeed_distributed(self) -> None:
-        common.init_distributed(self)
 
     def _setup_model_and_optimizer(self, model: nn.Module, optimizer: Any, lr_scheduler: Any = None) -> tuple:
         engine, optimizer, _ = common.initialize(self, model, self.config, optimizer, lr_scheduler)
@@ -78,9 +72,6 @@ class ZeroStrategy(DeepSpeedStrategy):
         with common.sharded_init(self):
             yield
 
-    def _set_deepspeed_activation_checkpointing(self) -> None:
-        common.configure_activation_checkpointing(self.config)
-
     def _restore_zero_state(self, ckpt: Mapping[str, Any], strict: bool) -> None:
         common.load_full_state_dict(self.lightning_module, ckpt["state_dict"], strict)
 
@@ -97,10 +88,6 @@ class ZeroStrategy(DeepSpeedStrategy):
         self._log_engine_metrics()
         return out
 
-    def engine_metrics(self) -> dict[str, float]:
-        """This rank's model-state memory by category and bytes communicated in the last step."""
-        return common.engine_metrics(self.deepspeed_engine)
-
     def _log_engine_metrics(self) -> None:
         trainer = getattr(self.lightning_module, "_trainer", None)
         engine = self.deepspeed_engine
@@ -113,11 +100,6 @@ class ZeroStrategy(DeepSpeedStrategy):
         metrics = self.engine_metrics()
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, description, params in common.registry_entries(DeepSpeedStrategy):
-            strategy_registry.register(name, cls, description=description, override=True, **params)
 
 
 ZeroStrategy.register_strategies(StrategyRegistry)
