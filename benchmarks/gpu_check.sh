@@ -11,6 +11,8 @@
 #   largest    the largest Llama that trains a step with optimizer and parameters in host memory
 #
 # Logs go to $OUT (or ./gpu_check_out): tests.log, sanitizer.log, bench.log, and JSON/XML beside.
+# Each phase's time limit in seconds can be set: T_TESTS (300), T_SANITIZER (150), T_BENCH (170),
+# T_LARGEST (260); the benchmarks' own budgets are 10 s less.
 set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_check_out}"
@@ -38,7 +40,7 @@ fi
 
 if has tests; then
   stamp "tests: pytest -m cuda tests/cuda"
-  timeout 300 "$PY" -m pytest -m cuda tests/cuda -p no:cacheprovider -rfEs -v --durations=8 \
+  timeout "${T_TESTS:-300}" "$PY" -m pytest -m cuda tests/cuda -p no:cacheprovider -rfEs -v --durations=8 \
       --junitxml="$OUT/tests.xml" 2>&1 | tee "$OUT/tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|slowest|s (call|setup)" | tail -70
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
@@ -46,7 +48,7 @@ fi
 if has sanitizer; then
   stamp "sanitizer: stage 3 and offload under TORCH_CUDA_SANITIZER=1"
   P=tests/cuda/test_cuda_parity.py; O=tests/cuda/test_cuda_offload.py
-  TORCH_CUDA_SANITIZER=1 timeout 150 "$PY" -m pytest -m cuda -p no:cacheprovider -rfE -q \
+  TORCH_CUDA_SANITIZER=1 timeout "${T_SANITIZER:-150}" "$PY" -m pytest -m cuda -p no:cacheprovider -rfE -q \
       "$P::test_fp32_parity[3]" "$P::test_mixed_precision_parity[3-bf16]" \
       "$P::test_stage3_prefetch_off_gives_the_same_numbers" "$P::test_overlap_comm_off_gives_the_same_numbers[2]" \
       "$O::test_offload_gives_the_numbers_of_the_gpu_run[3-fp32-cpu-True]" \
@@ -58,13 +60,13 @@ fi
 
 if has bench; then
   stamp "bench: one GPU, 1B Llama, bf16"
-  timeout 170 "$PY" benchmarks/gpu_throughput.py --size 1b --seq 2048 --batch 4 --steps 4 --budget 160 \
+  T=${T_BENCH:-170}; timeout "$T" "$PY" benchmarks/gpu_throughput.py --size 1b --seq 2048 --batch 4 --steps 4 --budget $((T - 10)) \
       --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tail -20
 fi
 
 if has largest; then
   stamp "largest: Llama 7B with optimizer and parameters in host memory"
-  timeout 260 "$PY" benchmarks/gpu_throughput.py --systems --largest "${LARGEST:-7b}" --seq 2048 --budget 240 \
+  T=${T_LARGEST:-260}; timeout "$T" "$PY" benchmarks/gpu_throughput.py --systems --largest "${LARGEST:-7b}" --seq 2048 --budget $((T - 10)) \
       --json "$OUT/largest.json" 2>&1 | tee "$OUT/largest.log" | tail -12
 fi
 

@@ -102,6 +102,23 @@ def resume_task(group, stage: int, dtype: str, load_dir: str, first: int, last: 
     return out
 
 
+def resume_without_task(group, missing: str, *args, **kw) -> dict:
+    """:func:`resume_task` in a process where importing the package ``missing`` fails (an optional
+    dependency, not installed where the user loads)."""
+    import sys
+    names = [n for n in sys.modules if n == missing or n.startswith(missing + ".")] + [missing]
+    kept = {n: sys.modules.get(n) for n in names}
+    sys.modules.update(dict.fromkeys(names))  # None: ``import`` raises ImportError
+    try:
+        return resume_task(group, *args, **kw)
+    finally:
+        for n, m in kept.items():
+            if m is None:
+                del sys.modules[n]
+            else:
+                sys.modules[n] = m
+
+
 def run_task(group, stage: int, dtype: str, steps: int) -> dict:
     """Train ``steps`` steps without interruption."""
     engine = make_engine(group, stage, dtype)

@@ -54,9 +54,11 @@ ACCELERATOR = os.environ.get("ZERODP_LIGHTNING_TASKS_DEVICE", "cpu")  # "cuda": 
 
 
 def data() -> TensorDataset:
+    """On the CPU, named: at stage 2 Lightning's DeepSpeed strategy (and so ours) reads the first
+    dataloader for its batch size inside ``configure_model``'s device context (CUDA on a GPU)."""
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(N, D, generator=g)
-    y = (x[:, :1] * 2 - x[:, 1:2]).tanh() + 0.1 * torch.randn(N, 1, generator=g)
+    x = torch.randn(N, D, generator=g, device="cpu")
+    y = (x[:, :1] * 2 - x[:, 1:2]).tanh() + 0.1 * torch.randn(N, 1, generator=g, device="cpu")
     return TensorDataset(x, y)
 
 

@@ -38,6 +38,16 @@ def test_resume_is_bitwise_at_the_same_world_size(pool, tmp_path, stage):
     assert resumed[0]["path"].endswith(f"global_step{K}")
 
 
+def test_resume_needs_no_bitsandbytes(pool, tmp_path):
+    """bitsandbytes is optional: a checkpoint of a model without 4-bit weights loads where it
+    is not installed (a GPU image without it once failed every load here)."""
+    pool.run(ct.save_task, 2, 3, "fp32", K, str(tmp_path))
+    whole = pool.run(ct.run_task, 2, 3, "fp32", 2 * K)
+    resumed = pool.run(ct.resume_without_task, 2, "bitsandbytes", 3, "fp32", str(tmp_path), K, 2 * K)
+    for w, r in zip(whole, resumed):
+        assert_same(r["params"], w["params"], "params")
+
+
 @pytest.mark.parametrize("stage,dtype", [(1, "fp32"), (2, "fp16"), (3, "bf16")])
 def test_resume_restores_data_order_rng_and_loss_scale(pool, tmp_path, stage, dtype):
     """Dropout, a training_data loader whose epochs end mid-step, and (fp16) a loss scale that

@@ -67,7 +67,10 @@ class Init:
     ``meta=True`` (zerodp's): keep no values at all, only parameters on the meta device, for a
     model whose values come later: from ``initialize`` (each unit initialized in turn, so no
     rank ever holds the whole model, not even its slices) or from weight files
-    (``zerodp.inference.stream``). Buffers stay real either way. Parameters created inside have
+    (``zerodp.inference.stream``). Buffers stay real either way. Without ``meta``, modules are
+    built on the engine's device (``cuda:LOCAL_RANK`` on a GPU, as DeepSpeed's ``Init`` builds on
+    the accelerator: seeded values come from that device's generator), unless the caller entered
+    a device of their own (``torch.device``) around it. Parameters created inside have
     empty data on the real device (``ds_shape`` is their shape), each keeping this rank's slice of
     its values, until ``zerodp.initialize``
     shards them by units (``data_parallel_group``: the group whose ranks share the slices, the

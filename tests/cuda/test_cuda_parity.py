@@ -86,3 +86,23 @@ def test_engine_runs_on_the_gpu_with_nccl(group, device):
     if device.type == "cuda":
         assert torch.cuda.memory_allocated(device) > 0
     engine.destroy()
+
+
+def test_zero_init_builds_on_the_device(group, device):
+    """``zero.Init`` builds each module on the engine's device, as DeepSpeed's does: a seeded
+    layer gets the values the device's generator gives it (what DDP and DeepSpeed train from),
+    not the CPU's, and a device the caller chose (meta) is left alone."""
+    from torch import nn
+
+    import zerodp
+    torch.manual_seed(0)
+    want = nn.Linear(16, 8, device=device)
+    torch.manual_seed(0)
+    with zerodp.zero.Init():
+        layer = nn.Linear(16, 8)
+        assert torch.get_default_device() == device
+    assert torch.get_default_device().type == "cpu"
+    with zerodp.zero.GatheredParameters(list(layer.parameters())):
+        assert torch.equal(layer.weight, want.weight) and torch.equal(layer.bias, want.bias)
+    with torch.device("meta"), zerodp.zero.Init():
+        assert torch.get_default_device().type == "meta"

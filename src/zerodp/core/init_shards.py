@@ -275,6 +275,7 @@ class ShardedConstruction:
         self._wrapped: list[type] = []
         self._handle = None
         self._outer: Optional[ShardedConstruction] = None
+        self._device: Optional[torch.device] = None  # the device context entered while building
 
     def _replace(self, param: nn.Parameter) -> nn.Parameter:
         if self.meta:  # no values kept: they come later (initialize's per-unit initialization, weight files)
@@ -307,11 +308,23 @@ class ShardedConstruction:
                     self._wrapped.append(cls)
             nn.Module.__init_subclass__ = classmethod(lambda cls, **kw: _wrap_init(cls))  # classes defined inside
         self._handle = register_module_parameter_registration_hook(self._on_register)
+        # Built on the engine's device, as DeepSpeed's Init builds on the accelerator: each module
+        # initializes there (on a GPU: its random generator, so a seed gives DeepSpeed's and DDP's
+        # values) and only then keeps its slice. Not over a device the caller chose (meta, say).
+        self._device = None
+        if self._outer is None and not self.meta and torch.get_default_device().type == "cpu":
+            device = default_device()
+            if device.type != "cpu":
+                self._device = torch.device(device)
+                self._device.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
         global _active
         self._handle.remove()
+        if self._device is not None:
+            self._device.__exit__(*exc)
+            self._device = None
         _active = self._outer
         if self._outer is None:
             del nn.Module.__init_subclass__

@@ -72,9 +72,8 @@ def packed_states(module: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
 def restore_packed_states(module: nn.Module, tensors: dict[str, torch.Tensor]) -> list[str]:
     """Give each packed parameter of ``module`` the quantization state in ``tensors`` (named as
     :func:`packed_states` names them), on its own device; returns the parameters restored. A packed
-    parameter with no state in ``tensors`` keeps its own."""
-    from bitsandbytes.functional import QuantState
-
+    parameter with no state in ``tensors`` keeps its own. bitsandbytes is imported only when a
+    packed parameter has a state to restore: a model without one loads where it is not installed."""
     done = []
     for name, p in module.named_parameters():
         if not is_packed(p):
@@ -83,6 +82,8 @@ def restore_packed_states(module: nn.Module, tensors: dict[str, torch.Tensor]) -
         mine = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
         if not mine:
             continue
+        from bitsandbytes.functional import QuantState
+
         device = p.quant_state.absmax.device
         state = QuantState.from_dict(qs_dict=mine, device=device)
         p.quant_state = state
