@@ -74,6 +74,32 @@ def test_with_no_overlap_every_byte_is_exposed():
     assert t.communication_s == pytest.approx(2 * (2 * PSI * 7 / 8 / 10e9))  # reduce-scatter + all-gather
 
 
+def test_a_group_across_nodes_runs_a_ring_through_each_ranks_adapter():
+    """32 data-parallel ranks as 4 nodes x 8 run 8 rings at once, each through its own rank's
+    adapter: 8 x 10 GB/s (NCCL's channels); as 32 nodes x 1, one adapter's 10 GB/s; 8 adapters of
+    20 GB/s are capped at the node's 100 GB/s."""
+    flat = Cluster(**{**ROUND.to_dict(), "overlap": 0.0})
+    rs_and_ag = lambda bw: 2 * (2 * PSI * 31 / 32 / bw)  # noqa: E731  stage 2's bytes, nothing hidden
+    assert timed(nodes=4, ranks_per_node=8, cluster=flat).row(2).step_time.communication_s == \
+        pytest.approx(rs_and_ag(80e9))
+    assert timed(nodes=32, ranks_per_node=1, cluster=flat).row(2).step_time.communication_s == \
+        pytest.approx(rs_and_ag(10e9))
+    fast = Cluster(**{**flat.to_dict(), "inter_bandwidth": 20e9})
+    assert timed(nodes=4, ranks_per_node=8, cluster=fast).row(2).step_time.communication_s == \
+        pytest.approx(rs_and_ag(100e9))
+
+
+def test_an_all_reduce_across_many_nodes_takes_a_tree_when_latency_rules():
+    """64 nodes, 1 ms per network step, bytes free: a ring waits 2 x 63 steps, a tree 2 x log2(64)."""
+    slow = Cluster(**{**ROUND.to_dict(), "overlap": 0.0, "inter_bandwidth": 1e18, "inter_latency": 1e-3,
+                      "intra_bandwidth": 1e18})
+    t = timed(nodes=64, ranks_per_node=1, cluster=slow).row(0).step_time
+    assert t.communication_s == pytest.approx(2 * 6 * 1e-3, rel=1e-6)
+    within = Cluster(**{**slow.to_dict(), "devices_per_node": 64, "intra_latency": 1e-3})
+    assert timed(ranks_per_node=64, cluster=within).row(0).step_time.communication_s == \
+        pytest.approx(2 * 63 * 1e-3, rel=1e-6)  # inside a node: the ring
+
+
 def test_pipeline_bubble_is_pp_minus_one_micro_batch_slots():
     est = timed(ranks_per_node=2, pp=2, gradient_accumulation=6)
     t = est.row(0).step_time

@@ -10,7 +10,10 @@ time is FLOPs over the device's peak times its efficiency (a third forward, two 
 ``gemm_efficiency``, or on a cluster that measured it by width (``local``), the efficiency at one
 rank's width of the layers, ``h / tp``. Collectives run as rings: an all-reduce of ``B`` bytes over ``N`` ranks takes
 ``2 (N-1)/N B / bw + 2 (N-1) lat``, a reduce-scatter or all-gather half that, with the bandwidth
-and latency of the node's links when the group fits in a node and of the network otherwise.
+and latency of the node's links when the group fits in a node. A group that spans nodes with ``k``
+of its ranks on each runs ``k`` rings at once, each through its own rank's network adapter (NCCL's
+channels): ``bw`` is ``k`` adapters' bandwidth, at most the node's links, and the latency the
+network's; its all-reduce takes a tree (``2 B / bw + 2 log2(N) lat``) where that is faster.
 
 What overlaps (``cluster.overlap`` of it is hidden; the first gather and the last bucket never):
 
@@ -34,6 +37,7 @@ time.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Optional
 
@@ -107,21 +111,27 @@ def forward_flops(model: ModelInfo, micro_batch: int, seq_len: int) -> float:
 
 
 class _Links:
-    """Ring collectives on the cluster for the data-, tensor- and pipeline-parallel groups."""
+    """Collectives on the cluster for the data-, tensor- and pipeline-parallel groups: rings inside a
+    node; across nodes, NCCL's rings run one channel per node-local rank of the group, each through
+    that rank's own network adapter, so a group with ``k`` ranks on every node moves ``k`` times one
+    adapter's bandwidth (up to the node's links), and its all-reduce may take a tree instead (``2 log2
+    N`` latencies rather than ``2 (N-1)``), whichever is faster."""
 
     def __init__(self, cluster: Cluster, job: Job) -> None:
         self.c, self.job = cluster, job
         per_node = job.ranks_per_node
-        # ranks are laid out tensor-innermost, then data, then pipeline
-        self.tp_inside = job.tp <= per_node
-        self.dp_inside = job.tp * job.dp <= per_node
+        # ranks are laid out tensor-innermost, then data, then pipeline: a group's ranks on one node
+        self.tp_together = min(job.tp, per_node)
+        self.dp_together = max(1, min(job.dp, per_node // job.tp))
         self.pp_inside = job.tp * job.dp * job.pp <= per_node
         self.latency = self.transfer = 0.0  # seconds of every collective costed, by part
 
-    def link(self, inside: bool) -> tuple[float, float]:
+    def link(self, n: int, together: int) -> tuple[float, float]:
+        """Bandwidth and latency per step of a ring over ``n`` ranks, ``together`` of them per node."""
         c = self.c
-        bw, lat = (c.intra_bandwidth, c.intra_latency) if inside else (c.inter_bandwidth, c.inter_latency)
-        return bw, lat
+        if together >= n:
+            return c.intra_bandwidth, c.intra_latency
+        return min(c.intra_bandwidth, together * c.inter_bandwidth), c.inter_latency
 
     def _cost(self, transfer: float, latency: float) -> float:
         self.transfer += transfer
@@ -133,21 +143,25 @@ class _Links:
         total = self.latency + self.transfer
         return self.latency / total if total else 0.0
 
-    def all_reduce(self, nbytes: float, n: int, inside: bool) -> float:
+    def all_reduce(self, nbytes: float, n: int, together: int) -> float:
         if n <= 1:
             return 0.0
-        bw, lat = self.link(inside)
-        return self._cost(2 * (n - 1) / n * nbytes / bw, 2 * (n - 1) * lat)
+        bw, lat = self.link(n, together)
+        ring = (2 * (n - 1) / n * nbytes / bw, 2 * (n - 1) * lat)
+        if together < n:  # across nodes: a tree when the ring's latencies cost more than it saves
+            tree = (2 * nbytes / bw, 2 * math.ceil(math.log2(n)) * lat)
+            ring = min(ring, tree, key=sum)
+        return self._cost(*ring)
 
-    def gather(self, nbytes: float, n: int, inside: bool) -> float:
+    def gather(self, nbytes: float, n: int, together: int) -> float:
         """An all-gather or reduce-scatter whose full buffer is ``nbytes``."""
         if n <= 1:
             return 0.0
-        bw, lat = self.link(inside)
+        bw, lat = self.link(n, together)
         return self._cost((n - 1) / n * nbytes / bw, (n - 1) * lat)
 
     def send(self, nbytes: float, inside: bool) -> float:
-        bw, lat = self.link(inside)
+        bw, lat = self.link(2, 2 if inside else 1)
         return self._cost(nbytes / bw, lat)
 
 
@@ -180,21 +194,21 @@ def predict(whole: ModelInfo, model: ModelInfo, acc: Accounting, stage: int, off
     if job.tp > 1:
         t = model.transformer
         act = job.micro_batch * job.seq_len * t.hidden * (2 if dtype != "fp32" else 4)
-        per_layer = links.all_reduce(act, job.tp, links.tp_inside)
+        per_layer = links.all_reduce(act, job.tp, links.tp_together)
         calls = 4 + (2 if job.checkpointing else 0)
         tp_t = calls * per_layer * t.layers / job.pp
 
     ov = cluster.overlap
     hide = lambda comm, window: max(0.0, comm - ov * window)  # noqa: E731
     bucket = min(job.reduce_bucket_size, trained) * gb
-    params_ag = links.gather(psi * pb, n, links.dp_inside)
-    grads_rs = links.gather(trained * gb, n, links.dp_inside)
+    params_ag = links.gather(psi * pb, n, links.dp_together)
+    grads_rs = links.gather(trained * gb, n, links.dp_together)
     per_micro, boundary = 0.0, 0.0
     if stage == 0:
-        reduce_t = links.all_reduce(trained * gb, n, links.dp_inside)
-        boundary = hide(reduce_t, bwd_t) + links.all_reduce(bucket, n, links.dp_inside) * (ov > 0)
+        reduce_t = links.all_reduce(trained * gb, n, links.dp_together)
+        boundary = hide(reduce_t, bwd_t) + links.all_reduce(bucket, n, links.dp_together) * (ov > 0)
     elif stage in (1, 2):
-        last_bucket = links.gather(bucket, n, links.dp_inside) * (ov > 0)
+        last_bucket = links.gather(bucket, n, links.dp_together) * (ov > 0)
         if stage == 1:
             boundary = hide(grads_rs, bwd_t) + last_bucket
         else:
@@ -205,10 +219,10 @@ def predict(whole: ModelInfo, model: ModelInfo, acc: Accounting, stage: int, off
         fetch = 0.0
         if offload == "optimizer+params":  # each gather first reads this rank's shard from the host
             fetch = psi * pb / n / cluster.host_bandwidth
-        first = links.gather(unit, n, links.dp_inside)
+        first = links.gather(unit, n, links.dp_together)
         # every unit is a collective of its own: its ring steps' latency, twice gathered and once reduced
         units = max(1, -(-psi // (largest_unit or psi)))
-        per_unit = 3 * (units - 1) * (n - 1) * links.link(links.dp_inside)[1]
+        per_unit = 3 * (units - 1) * (n - 1) * links.link(n, links.dp_together)[1]
         per_micro = (hide(params_ag + fetch, fwd_t) + hide(params_ag + fetch + grads_rs, bwd_t) + first
                      + per_unit)
 
