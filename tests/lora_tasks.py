@@ -85,3 +85,31 @@ def lora_train(group, stage: int, save_dir: str | None = None, precision: str = 
            "n_trainable": sum(_numel(p) for p in trainable), "n_all": sum(_numel(p) for p in model.parameters())}
     engine.destroy()
     return out
+
+
+def meta_lora_task(group, init_lora_weights=True) -> dict:
+    """A GPT-2 built wholly on the meta device (``zero.Init(meta=True)``: ``initialize`` gives every
+    value), LoRA adapters added by ``get_peft_model``, stage 3: the adapters' values after
+    ``initialize``, and the first loss with the adapters on and off."""
+    from peft import LoraConfig, get_peft_model
+    with zerodp.zero.Init(meta=True):
+        base = hf_tasks.build_model("gpt2")
+    cfg = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True,
+                     init_lora_weights=init_lora_weights)
+    model = get_peft_model(base, cfg)
+    config = {"train_micro_batch_size_per_gpu": hf_tasks.MICRO, "steps_per_print": 10**9,
+              "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}, "zero_optimization": {"stage": 3}}
+    try:
+        engine, *_ = zerodp.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                       config=config, process_group=group)
+    except ValueError as e:
+        return {"error": str(e)}
+    with zerodp.GatheredParameters(list(model.parameters())):
+        adapters = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    ids = hf_tasks.batch(0, dist.get_rank(group), 0)
+    with torch.no_grad():
+        on = engine(input_ids=ids, labels=ids).loss.item()
+        with model.disable_adapter():
+            off = engine(input_ids=ids, labels=ids).loss.item()
+    engine.destroy()
+    return {"adapters": adapters, "on": on, "off": off}

@@ -66,3 +66,35 @@ def test_adapter_saved_in_peft_format(pool, tmp_path):
     assert lora
     for name in lora:
         assert torch.equal(got[name].detach(), trained[name]), name
+
+
+@pytest.mark.parametrize("init", [True, "gaussian"])
+def test_adapters_on_a_meta_built_model_start_as_peft_starts_them(pool, init):
+    """A model built wholly on the meta device gets its values from ``initialize``; its LoRA
+    adapters must get PEFT's (``lora_B`` zero), not ``nn.Linear``'s, or training starts from a
+    model the adapters perturb: the first loss equals the loss with the adapters off."""
+    out = pool.run(lt.meta_lora_task, 2, init)
+    a, b = ([v for n, v in out[0]["adapters"].items() if f"{part}." in n] for part in ("lora_A", "lora_B"))
+    assert a and b
+    assert all(torch.count_nonzero(v) == 0 for v in b)
+    assert all(v.abs().max() > 0 for v in a)
+    if init == "gaussian":  # PEFT: normal with std 1/r (r = 4)
+        assert 0.15 < torch.cat([v.flatten() for v in a]).std() < 0.35
+    else:  # nn.Linear's kaiming bound, 1/sqrt(fan_in) with fan_in 32
+        assert all(v.abs().max() <= 32 ** -0.5 for v in a)
+    for r in out:
+        assert r["on"] == r["off"]
+        assert all(torch.equal(r["adapters"][n], out[0]["adapters"][n]) for n in out[0]["adapters"])
+
+
+def test_an_initialization_that_reads_the_base_weights_is_refused_on_a_meta_model():
+    import hf_tasks
+    from peft import LoraConfig, get_peft_model
+
+    from zerodp.core.adapters import lora_initializer
+    model = get_peft_model(hf_tasks.build_model("gpt2"), LoraConfig(r=4, target_modules=["c_attn"],
+                                                                     fan_in_fan_out=True))
+    model.peft_config["default"].init_lora_weights = "olora"
+    with pytest.raises(ValueError, match="init_lora_weights='olora'.*meta device"):
+        lora_initializer(model)(model, {id(p) for p in model.parameters()})
+    assert lora_initializer(hf_tasks.build_model("gpt2")) is None

@@ -24,7 +24,8 @@ A parameter created inside the context on the meta device (a model built with
 ``torch.device("meta")``) stays without values: ``initialize`` gives them, one unit at a time,
 by each module's ``reset_parameters()`` and then ``param_init_fn`` or, for a ``transformers``
 model, the model's own ``_init_weights``, seeded identically on every rank (see the README's
-stage-3 section). A real tensor put in place of such a parameter (loaded weights assigned by
+stage-3 section); PEFT's LoRA adapters added to such a model get PEFT's own initialization
+(``lora_B`` zero, ``core/adapters.py``). A real tensor put in place of such a parameter (loaded weights assigned by
 ``load_state_dict(assign=True)``) is kept; ``initialize`` refuses a unit that mixes the two.
 """
 from __future__ import annotations

@@ -448,7 +448,8 @@ def initialize_meta_units(units: list[Unit], seed: int, device: torch.device,
                           param_init_fn: Optional[Callable[[nn.Module], None]],
                           prefetcher: Optional["Prefetcher"] = None,
                           after_group: Optional[Callable[[Any], None]] = None,
-                          loaded: Optional[dict[int, nn.Parameter]] = None) -> None:
+                          loaded: Optional[dict[int, nn.Parameter]] = None,
+                          after_unit: Optional[Callable[[nn.Module, set], None]] = None) -> None:
     """Give a model built on the meta device its values, one unit at a time, so that no rank
     ever holds more than one unit's full parameters: materialize the unit, run
     ``reset_parameters()`` (then ``param_init_fn``, if given) of each module that owns
@@ -456,7 +457,9 @@ def initialize_meta_units(units: list[Unit], seed: int, device: torch.device,
     this rank's shard and free the rest (and pass each group to ``after_group``: parameter
     offload moves the shard off the device there). A parameter built inside ``zero.Init``
     (``loaded``: the parameter built there, by the id of the one that replaced it) takes its values from the slices
-    instead, and a module all of whose parameters do is not initialized."""
+    instead, and a module all of whose parameters do is not initialized. ``after_unit(module, ids)``
+    runs after the unit's modules, under the same seed, with the ids of the parameters given values
+    (PEFT's adapter initialization, ``core/adapters.py``)."""
     loaded = {} if loaded is None else loaded
     devices = [device] if device.type == "cuda" else []
     for unit in units:
@@ -481,6 +484,8 @@ def initialize_meta_units(units: list[Unit], seed: int, device: torch.device,
                     m.reset_parameters()
                 if param_init_fn is not None:
                     param_init_fn(m)
+            if after_unit is not None:
+                after_unit(unit.module, mine - set(loaded))
             for g in groups:
                 for p in g.params:
                     if id(p) in loaded:

@@ -80,11 +80,12 @@ class ShardedParams:
     # -- set-up ------------------------------------------------------------------------------
 
     def initialize_meta(self, seed: int, device: "torch.device", param_init_fn: Optional[Callable],
-                        after_group: Optional[Callable] = None, loaded: Optional[dict] = None) -> None:
+                        after_group: Optional[Callable] = None, loaded: Optional[dict] = None,
+                        after_unit: Optional[Callable] = None) -> None:
         """Give parameters built on the meta device their values, one unit at a time
         (``gather.initialize_meta_units``)."""
         initialize_meta_units(self.units, seed, device, param_init_fn, self.prefetcher,
-                              after_group=after_group, loaded=loaded)
+                              after_group=after_group, loaded=loaded, after_unit=after_unit)
 
     # -- during a step -----------------------------------------------------------------------
 

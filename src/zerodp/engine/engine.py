@@ -48,6 +48,7 @@ from torch import nn
 from .. import health
 from ..config import Config, ConfigError, resolve_batch_sizes
 from ..core import live
+from ..core.adapters import lora_initializer
 from ..core.assemble import (
     adopt_replaced_params,
     broadcast_initial_state,
@@ -291,7 +292,8 @@ class ZeroEngine(EngineAPI, nn.Module):
         park = self.param_offload.park if self.param_offload is not None else None
         if meta:
             self.sharded.initialize_meta(self.config.seed or 0, self.device, param_init_fn,
-                                         after_group=park, loaded=loaded)
+                                         after_group=park, loaded=loaded,
+                                         after_unit=lora_initializer(self.base_module))
         if park is not None:
             for g in self.flat_groups:
                 park(g)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..core.adapters import is_lora_layer
 from .tensor import Split, TensorParallelError
 
 
@@ -33,11 +34,6 @@ def base_model(model: nn.Module) -> nn.Module:
     return model
 
 
-def _is_lora_layer(module: nn.Module) -> bool:
-    return (hasattr(module, "base_layer") and isinstance(getattr(module, "lora_A", None), nn.ModuleDict)
-            and isinstance(getattr(module, "lora_B", None), nn.ModuleDict))
-
-
 def expand_adapters(model: nn.Module, resolved: dict[str, Split]) -> dict[str, Split]:
     """``resolved`` (module name -> split) with every LoRA layer replaced by its base layer and its
     adapters' matrices, split as the module docstring says."""
@@ -45,7 +41,7 @@ def expand_adapters(model: nn.Module, resolved: dict[str, Split]) -> dict[str, S
     out: dict[str, Split] = {}
     for name, split in resolved.items():
         module = modules[name]
-        if not _is_lora_layer(module):
+        if not is_lora_layer(module):
             out[name] = split
             continue
         out[f"{name}.base_layer"] = split
