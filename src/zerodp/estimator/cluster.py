@@ -108,15 +108,18 @@ def _node(name: str, description: str, gpus: int, bf16: float, fp32: float, memo
 
 #: Preset nodes. FLOP/s: dense peak (fp32 column: TF32 tensor cores, as torch's matmuls use when
 #: allowed, else the plain fp32 rate). Bandwidths: what NCCL's all-reduce reaches (bus bandwidth).
+#: Efficiency: H100 and H200 0.40, measured (zerodp stage 0 on one H200, eager PyTorch with SDPA
+#: attention, a 0.95B Llama in bf16, 4 x 2048 tokens: 0.140 s per step, docs/benchmarks.md); V100
+#: and A100 round assumptions (0.55, 0.62) from runs with fused kernels of their time.
 PRESETS: dict[str, Cluster] = {
     "v100-dgx2": _node("v100-dgx2", "DGX-2: 16 V100 32 GB, NVSwitch, 8 x 100 Gb/s InfiniBand per node",
                        16, 125e12, 15.7e12, 32, 900, 120, 5.5, 12, 0.55),
     "a100-80gb-8x": _node("a100-80gb-8x", "DGX A100: 8 A100 80 GB SXM, NVLink 3, 8 x 200 Gb/s HDR InfiniBand",
                           8, 312e12, 156e12, 80, 2039, 230, 23, 24, 0.62),
     "h100-8x": _node("h100-8x", "DGX H100: 8 H100 80 GB SXM, NVLink 4, 8 x 400 Gb/s NDR InfiniBand",
-                     8, 989e12, 494e12, 80, 3350, 370, 45, 50, 0.55),
+                     8, 989e12, 494e12, 80, 3350, 370, 45, 50, 0.40),
     "h200-8x": _node("h200-8x", "HGX H200: 8 H200 141 GB SXM, NVLink 4, 8 x 400 Gb/s NDR InfiniBand",
-                     8, 989e12, 494e12, 141, 4800, 370, 45, 50, 0.58),
+                     8, 989e12, 494e12, 141, 4800, 370, 45, 50, 0.40),
 }
 
 CACHE_ENV = "ZERODP_CLUSTER_CACHE"
