@@ -153,6 +153,22 @@ def _cache_path() -> Path:
     return Path(root) / f"cluster-local-{platform.node()}.json"
 
 
+def _timed_together(fn, calls: int) -> float:
+    """Seconds per call of ``fn``, which holds a collective: every rank makes the same number of
+    calls (a loop that stops on its own clock could end one call apart on two ranks and leave one
+    waiting in a collective the other never joins); best of three rounds, each begun together."""
+    import torch.distributed as dist
+    fn()
+    best = float("inf")
+    for _ in range(3):
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
+
+
 def _timed(fn, min_time: float = 0.25) -> float:
     """Seconds per call of ``fn`` (best of a few rounds of at least ``min_time``)."""
     fn()
@@ -209,8 +225,8 @@ def _probe_worker(rank: int, world: int, port: int, out) -> None:
     compute = _probe_compute()
     dist.barrier()
     small, big = torch.zeros(256), torch.zeros(1 << 21)
-    t_small = _timed(lambda: dist.all_reduce(small), 0.2)
-    t_big = _timed(lambda: dist.all_reduce(big), 0.5)
+    t_small = _timed_together(lambda: dist.all_reduce(small), 100)
+    t_big = _timed_together(lambda: dist.all_reduce(big), 10)
     if rank == 0:
         out.put((compute, t_small, t_big, big.numel() * 4))
         out.close()
