@@ -48,6 +48,29 @@ def test_resume_needs_no_bitsandbytes(pool, tmp_path):
         assert_same(r["params"], w["params"], "params")
 
 
+def test_client_state_keeps_namespaces_paths_and_numpy_without_pickling(pool, tmp_path):
+    """``client_state={"args": args}`` (an argparse.Namespace, as Megatron-style scripts pass it),
+    paths and NumPy values come back as they went in; a dict whose keys look like the file's own
+    markers stays a dict."""
+    import argparse
+    import pathlib
+
+    import numpy as np
+    args = argparse.Namespace(lr=0.1, out=pathlib.Path("runs/a"), layers=[1, 2], seed=np.int64(3))
+    state = {"args": args, "best": np.float64(0.25), "hist": np.arange(6, dtype=np.float32).reshape(2, 3),
+             "odd": {"__path__": "not a path", "__tensor__": 1}}
+    assert pool.run(ct.save_error_task, 2, str(tmp_path), state)[0]["error"] is None
+    client = pool.run(ct.resume_task, 2, 2, "fp32", str(tmp_path), 1, 1)[0]["client"]
+    got = client["args"]
+    assert isinstance(got, argparse.Namespace)
+    assert (got.lr, got.out, got.layers, got.seed) == (0.1, pathlib.Path("runs/a"), [1, 2], 3)
+    assert isinstance(got.out, pathlib.Path) and type(got.seed) is int
+    assert client["best"] == 0.25 and type(client["best"]) is float
+    assert isinstance(client["hist"], np.ndarray) and np.array_equal(client["hist"], state["hist"])
+    assert client["hist"].dtype == np.float32
+    assert client["odd"] == {"__path__": "not a path", "__tensor__": 1}
+
+
 @pytest.mark.parametrize("stage,dtype", [(1, "fp32"), (2, "fp16"), (3, "bf16")])
 def test_resume_restores_data_order_rng_and_loss_scale(pool, tmp_path, stage, dtype):
     """Dropout, a training_data loader whose epochs end mid-step, and (fp16) a loss scale that

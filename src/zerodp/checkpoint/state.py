@@ -4,14 +4,19 @@ Loading a checkpoint never unpickles. Python values are stored as JSON; tensors 
 (a client state holding a tensor, the torch RNG state) go to a tensor file and are replaced
 in the JSON by a reference. :func:`encode` / :func:`decode` do this for nested dicts, lists and
 tuples of JSON scalars and tensors, keeping what JSON alone would lose (tuples, dict keys
-that are not strings). Anything else is refused at save time, naming where it sits.
+that are not strings). A few plain types that training scripts put there are kept too, without
+pickling: ``argparse.Namespace`` (``client_state={"args": args}``), paths (back as
+``pathlib.Path``), NumPy arrays (back as arrays) and NumPy scalars (back as Python numbers).
+Anything else is refused at save time, naming where it sits.
 
 RNG states (:func:`capture_rng` / :func:`restore_rng`): Python's ``random``, NumPy's global
 generator (when NumPy is loaded), torch's CPU generator and every initialized CUDA device's.
 """
 from __future__ import annotations
 
+import argparse
 import math
+import pathlib
 import random
 import sys
 from typing import Any
@@ -21,7 +26,8 @@ import torch
 from .source import CheckpointError
 
 _TENSOR, _TUPLE, _DICT, _FLOAT = "__tensor__", "__tuple__", "__dict__", "__float__"
-_MARKERS = (_TENSOR, _TUPLE, _DICT, _FLOAT)
+_PATH, _NAMESPACE, _NDARRAY = "__path__", "__namespace__", "__ndarray__"
+_MARKERS = (_TENSOR, _TUPLE, _DICT, _FLOAT, _PATH, _NAMESPACE, _NDARRAY)
 
 
 def encode(value: Any, tensors: dict[str, torch.Tensor], prefix: str, where: str = "client_state") -> Any:
@@ -40,6 +46,17 @@ def encode(value: Any, tensors: dict[str, torch.Tensor], prefix: str, where: str
         return {_TENSOR: key}
     if isinstance(value, torch.Size):
         value = tuple(value)
+    if isinstance(value, pathlib.PurePath):
+        return {_PATH: str(value)}
+    if isinstance(value, argparse.Namespace):
+        return {_NAMESPACE: encode(vars(value), tensors, prefix, where)}
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(value, np.generic) and not isinstance(value, (np.object_, np.void)):
+        return encode(value.item(), tensors, prefix, where)
+    if np is not None and isinstance(value, np.ndarray) and value.dtype.kind in "biufc":
+        key = f"{prefix}{len(tensors)}"
+        tensors[key] = torch.from_numpy(np.ascontiguousarray(value).copy())
+        return {_NDARRAY: key}
     if isinstance(value, tuple) and not hasattr(value, "_fields"):
         return {_TUPLE: [encode(v, tensors, prefix, f"{where}[{i}]") for i, v in enumerate(value)]}
     if isinstance(value, list):
@@ -52,8 +69,8 @@ def encode(value: Any, tensors: dict[str, torch.Tensor], prefix: str, where: str
                          encode(v, tensors, prefix, f"{where}[{k!r}]")] for k, v in value.items()]}
     raise TypeError(f"{where}: a {type(value).__module__}.{type(value).__qualname__} cannot be stored in "
                     "a checkpoint, which holds JSON values (numbers, strings, booleans, None, lists, "
-                    "tuples, dicts) and tensors only, so that loading never unpickles; convert it "
-                    "to those (e.g. a state_dict() of plain values)")
+                    "tuples, dicts), tensors, NumPy arrays, paths and argparse.Namespace only, so that "
+                    "loading never unpickles; convert it to those (e.g. a state_dict() of plain values)")
 
 
 def decode(value: Any, tensors: "TensorLookup") -> Any:
@@ -71,6 +88,12 @@ def decode(value: Any, tensors: "TensorLookup") -> Any:
                 return {_hashable(decode(a, tensors)): decode(b, tensors) for a, b in v}
             if k == _FLOAT:
                 return float(v)
+            if k == _PATH:
+                return pathlib.Path(v)
+            if k == _NAMESPACE:
+                return argparse.Namespace(**decode(v, tensors))
+            if k == _NDARRAY:
+                return tensors(v).numpy()
         return {k: decode(v, tensors) for k, v in value.items()}
     return value
 
@@ -89,8 +112,8 @@ def tensor_keys(value: Any) -> list[str]:
         for v in value:
             found += tensor_keys(v)
     elif isinstance(value, dict):
-        if len(value) == 1 and _TENSOR in value:
-            return [value[_TENSOR]]
+        if len(value) == 1 and (_TENSOR in value or _NDARRAY in value):
+            return [value.get(_TENSOR, value.get(_NDARRAY))]
         for v in value.values():
             found += tensor_keys(v)
     return found
