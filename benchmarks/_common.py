@@ -115,18 +115,24 @@ def failure_reason(launch: Launch, limit: int = 160) -> str:
     return f"exit code {launch.returncode}" + (f": {lines[-1][:limit]}" if lines else "")
 
 
-def python_without_deepspeed(root: str) -> str:
+def python_without_deepspeed(root: str, also: tuple[str, ...] = ()) -> str:
     """A Python whose site-packages is this one's without DeepSpeed: a virtual environment in
     ``root`` whose site-packages links every entry of this one's except DeepSpeed's (for
-    ``ZERODP_AS_DEEPSPEED=1``, which refuses beside a real DeepSpeed). Returns its python."""
+    ``ZERODP_AS_DEEPSPEED=1``, which refuses beside a real DeepSpeed) and those of the
+    distributions named in ``also`` (``"lightning"``: its package and dist-info, not
+    ``lightning_fabric``'s). Returns its python."""
     import sysconfig
     from pathlib import Path
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", os.path.join(root, "venv")], check=True)
     python = os.path.join(root, "venv", "bin", "python")
     theirs = Path(subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                  check=True, capture_output=True, text=True).stdout.strip())
+
+    def left_out(name: str) -> bool:
+        name = name.lower()
+        return name.startswith("deepspeed") or any(name == n or name.startswith(n + "-") for n in also)
     for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
-        if not entry.name.lower().startswith("deepspeed") and not (theirs / entry.name).exists():
+        if not left_out(entry.name) and not (theirs / entry.name).exists():
             (theirs / entry.name).symlink_to(entry)
     return python
 

@@ -30,23 +30,34 @@ rank 0, the loss of every training batch and the final full weights. CASE names:
   under ``ZERODP_AS_DEEPSPEED=1``, as for the Trainer), ``-resume`` (``fabric.save`` after the first epoch,
   a new ``Fabric`` loading it with ``fabric.load`` for the second).
 
-The runs are on the CPU, or on CUDA with ``ZERODP_LIGHTNING_TASKS_DEVICE=cuda`` (tests/cuda).
+The runs are on the CPU, or on CUDA with ``ZERODP_LIGHTNING_TASKS_DEVICE=cuda`` (tests/cuda); with
+``lightning``, or with the standalone ``pytorch_lightning`` and ``lightning_fabric`` under
+``ZERODP_LIGHTNING_FLAVOR=standalone``.
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
 from typing import Any
 
-import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from lightning.pytorch.loggers import Logger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from zerodp.lightning import ZeroStrategy
+#: ``ZERODP_LIGHTNING_FLAVOR=standalone``: the same cases on ``pytorch_lightning`` and
+#: ``lightning_fabric`` with ``zerodp.pytorch_lightning``'s strategies, instead of ``lightning``'s
+STANDALONE = os.environ.get("ZERODP_LIGHTNING_FLAVOR") == "standalone"
+TRAINER_PKG, FABRIC_PKG = ("pytorch_lightning", "lightning_fabric") if STANDALONE else ("lightning.pytorch",
+                                                                                          "lightning.fabric")
+L = importlib.import_module(TRAINER_PKG)
+Callback = importlib.import_module(f"{TRAINER_PKG}.callbacks").Callback
+ModelCheckpoint = importlib.import_module(f"{TRAINER_PKG}.callbacks").ModelCheckpoint
+Logger = importlib.import_module(f"{TRAINER_PKG}.loggers").Logger
+Fabric = importlib.import_module(FABRIC_PKG).Fabric
+_face = importlib.import_module("zerodp.pytorch_lightning" if STANDALONE else "zerodp.lightning")
+ZeroStrategy, ZeroFabricStrategy = _face.ZeroStrategy, _face.ZeroFabricStrategy
 
 N, D, H, BATCH, LR, CLIP = 64, 8, 16, 4, 0.02, 0.05
 RANK = int(os.environ.get("RANK", "0"))
@@ -269,7 +280,7 @@ def run_trainer_case(case: str, work: str) -> dict:
     out: dict = {"losses": model.losses, "weights": full_weights(trainer.lightning_module), "lrs": lrs,
                  "strategy": type(trainer.strategy).__name__, "built_sharded": model.built_sharded, "init": init,
                  "param_dtype": str(next(trainer.lightning_module.parameters()).dtype)}
-    from lightning.pytorch.strategies import DeepSpeedStrategy
+    DeepSpeedStrategy = importlib.import_module(f"{TRAINER_PKG}.strategies").DeepSpeedStrategy
     out["is_deepspeed_strategy"] = isinstance(trainer.strategy, DeepSpeedStrategy)
     if "eval" in parts:
         out["validate"] = trainer.validate(model, verbose=False)[0]["val_loss"]
@@ -327,11 +338,10 @@ def run_fabric_case(case: str, work: str) -> dict:
                     self._format_config()
                     self._config_initialized = True
             return CPUFabricDeepSpeed(config=config)
-        from zerodp.lightning import ZeroFabricStrategy
         return ZeroFabricStrategy(config=config)
 
     def launch():
-        fabric = L.Fabric(accelerator=ACCELERATOR, devices=world, strategy=new_strategy(), precision="32-true")
+        fabric = Fabric(accelerator=ACCELERATOR, devices=world, strategy=new_strategy(), precision="32-true")
         fabric.launch()
         return fabric
 

@@ -5,11 +5,14 @@ by 2 ranks at stage 3 resume 1 rank at stage 1 through ``Trainer.fit(ckpt_path="
 export to one file that ``load_from_checkpoint`` reads. Everything runs in an environment
 without DeepSpeed (``no_deepspeed_python``), the runs in three torchrun jobs
 (``lightning_tasks.py``); a fourth checks Lightning's own ``DeepSpeedStrategy`` under
-``ZERODP_AS_DEEPSPEED=1``."""
+``ZERODP_AS_DEEPSPEED=1``, and a fifth the standalone ``pytorch_lightning`` and ``lightning_fabric``
+with ``zerodp.pytorch_lightning``, where ``lightning`` is not installed."""
 from __future__ import annotations
 
 import inspect
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -203,3 +206,36 @@ def test_takes_deepspeed_strategys_arguments(tmp_path):
     assert ZeroFabricStrategy(config=str(path)).config == {"zero_optimization": {"stage": 1}}
     with pytest.raises(TypeError, match="DeepSpeedStrategy"):
         ZeroStrategy(stages=3)
+
+
+# -- the standalone pytorch_lightning and lightning_fabric ------------------------------------------
+
+STANDALONE = ["ddp", "z2", "z3", "z3-off", "ddp-cfg", "z3-cfg-name", "fabric-ddp", "fabric-z3", "fabric-z3-init"]
+
+
+@pytest.fixture(scope="module")
+def standalone_results(tmp_path_factory) -> dict:
+    """The cases with ``import pytorch_lightning`` / ``lightning_fabric`` and
+    ``zerodp.pytorch_lightning``, in a Python where the unified ``lightning`` package is absent."""
+    sys.path.insert(0, str(HERE.parent / "benchmarks"))
+    from _common import python_without_deepspeed
+    work = tmp_path_factory.mktemp("standalone")
+    python = python_without_deepspeed(str(work / "env"), also=("lightning",))
+    probe = subprocess.run([python, "-c", "import importlib.util as u; print(u.find_spec('lightning') is None, "
+                            "u.find_spec('pytorch_lightning') is not None)"], capture_output=True, text=True)
+    assert probe.stdout.split() == ["True", "True"], probe.stdout + probe.stderr
+    return run_cases(python, HERE / "lightning_tasks.py", work / "out.json", [str(work)], STANDALONE, 2,
+                     ZERODP_LIGHTNING_FLAVOR="standalone", ZERODP_AS_DEEPSPEED="0")
+
+
+@pytest.mark.parametrize("case,ref", [("z2", "ddp"), ("z3", "ddp"), ("z3-off", "ddp"), ("z3-cfg-name", "ddp-cfg"),
+                                      ("fabric-z3", "fabric-ddp"), ("fabric-z3-init", "fabric-ddp")])
+def test_pytorch_lightning_standalone_equals_its_ddp(standalone_results, case, ref):
+    """``pytorch_lightning.Trainer(strategy=zerodp.pytorch_lightning.ZeroStrategy(...))`` (or a
+    registered name) and ``lightning_fabric.Fabric`` train as their DDP does, without ``lightning``."""
+    assert_same_run(standalone_results[case], standalone_results[ref])
+    if not case.startswith("fabric"):
+        assert standalone_results[case]["is_deepspeed_strategy"]
+        assert standalone_results[case]["strategy"] == "ZeroStrategy"
+    if case.endswith(("cfg-name", "init")):
+        assert standalone_results[case]["built_sharded"] == [True]

@@ -92,8 +92,10 @@ def check_device_indices(strategy: Any) -> None:
     """On CUDA, process ``i`` of a node must use device ``i`` (as with DeepSpeed); CPU devices have
     no index."""
     if strategy.parallel_devices and strategy.parallel_devices[0].type == "cuda":
-        from lightning.fabric.strategies.deepspeed import _validate_device_index_selection
-        _validate_device_index_selection(strategy.parallel_devices)
+        import importlib
+        fabric = "lightning_fabric" if type(strategy).__module__ == "zerodp.pytorch_lightning" else "lightning.fabric"
+        deepspeed = importlib.import_module(f"{fabric}.strategies.deepspeed")
+        deepspeed._validate_device_index_selection(strategy.parallel_devices)
 
 
 def init_distributed(strategy: Any) -> None:
@@ -212,7 +214,8 @@ def point_deepspeed_strategies_to_zerodp() -> None:
     runs the same ZeRO stage there. Only the message changes."""
     import functools
     import sys
-    for name in ("lightning.pytorch.strategies.deepspeed", "lightning.fabric.strategies.deepspeed"):
+    for name in ("lightning.pytorch.strategies.deepspeed", "lightning.fabric.strategies.deepspeed",
+                 "pytorch_lightning.strategies.deepspeed", "lightning_fabric.strategies.deepspeed"):
         module = sys.modules.get(name)
         cls = getattr(module, "DeepSpeedStrategy", None)
         if cls is None or getattr(cls.setup_environment, "_zerodp_hint", False):
