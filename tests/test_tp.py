@@ -14,6 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 from tp_tasks import (
+    VOCAB,
+    embedding_backward_rows,
     grid_round_trip,
     megatron_reference,
     megatron_train,
@@ -166,6 +168,15 @@ def test_a_batch_that_differs_inside_a_tensor_group_fails_naming_the_ranks(pool)
     for e in errors[:2]:
         assert "ranks [0] and ranks [1] got different inputs" in e, e
     assert errors[2] == errors[3] == "no error"
+
+
+def test_a_vocabulary_split_embedding_makes_the_gradient_of_its_own_rows_only(pool):
+    """Megatron's vocabulary-parallel embedding: each tensor rank's backward makes a gradient of its
+    VOCAB / 2 rows, never one of the whole vocabulary (DTensor's own embedding backward did, on every
+    rank: 1 GB for Llama-3 8B); test_tp2_dp2_example_gpt checks its numbers."""
+    out = pool.run(embedding_backward_rows, 4, 2)
+    for r in out:
+        assert r["rows"] and max(r["rows"]) == VOCAB // 2, r["rows"]
 
 
 def test_tp_slice_takes_and_places_fused_blocks():

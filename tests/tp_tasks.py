@@ -513,3 +513,27 @@ def partition_config_train(group, stage: int, tp: int, steps: int) -> dict:
 
 def partition_config_reference(dp: int, steps: int) -> dict:
     return sgd_reference(PlainMLP(), dp, steps, 0.5)
+
+
+def embedding_backward_rows(group, tp: int) -> dict:
+    """The rows of every embedding gradient made in one step of the example GPT split over the
+    vocabulary (``aten.embedding_dense_backward``'s ``num_weights``, seen by a dispatch mode),
+    and the step's loss."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Rows(TorchDispatchMode):
+        seen: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.embedding_dense_backward.default:
+                self.seen.append(int(args[2]))
+            return func(*args, **(kwargs or {}))
+
+    engine, *_ = zerodp.initialize(model=build_gpt(), config=config(1, tp, dist.get_world_size() // tp))
+    x, y = batch(0, engine.dp_rank, 0)
+    loss = loss_of("gpt", forward("gpt", engine, x, y), y)
+    with Rows() as rows:
+        engine.backward(loss)
+    engine.step()
+    engine.destroy()
+    return {"rows": rows.seen, "loss": loss.item()}

@@ -42,6 +42,7 @@ use for the same (``tensor_model_parallel``, ``partition_dim``).
 from __future__ import annotations
 
 import re
+import types
 import weakref
 from dataclasses import dataclass
 from typing import Optional
@@ -280,11 +281,17 @@ def _styles() -> dict:
         def apply(self, module, device_mesh):
             if isinstance(self, RowwiseParallel):  # what torch's row style sets in its own _apply
                 self.desired_input_layouts = (Replicate(),) if isinstance(module, nn.Embedding) else (Shard(-1),)
-            return distribute_module(
+            vocab = isinstance(module, nn.Embedding) and self.split.kind == "vocab"
+            if vocab:
+                _check_vocab_embedding(module)
+            out = distribute_module(
                 module, device_mesh,
                 lambda name, mod, mesh: _partition(mod, self.split, mesh) if mod is module else None,
                 partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
                 partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+            if vocab:
+                module.forward = types.MethodType(_vocab_embedding_forward, module)
+            return out
 
         for base in (ColwiseParallel, RowwiseParallel):
             _STYLE_CLASSES[base] = type(f"Zerodp{base.__name__}", (base,), {"_apply": apply})
@@ -303,6 +310,33 @@ def _styles() -> dict:
         _STYLE_CLASSES["heads"] = type("ZerodpHeadNorm", (_STYLE_CLASSES[SequenceParallel],),
                                        {"_prepare_input_fn": staticmethod(on_heads)})
     return _STYLE_CLASSES
+
+
+def _check_vocab_embedding(module: nn.Embedding) -> None:
+    for option, off in (("max_norm", None), ("scale_grad_by_freq", False), ("sparse", False)):
+        if getattr(module, option) != off:
+            raise TensorParallelError(
+                f"an Embedding split over the vocabulary takes no {option}={getattr(module, option)!r} (it "
+                "renormalizes or counts over the whole vocabulary): leave it out of the plan or unset it")
+
+
+def _vocab_embedding_forward(module: nn.Embedding, ids):
+    """A vocabulary-split ``Embedding``'s forward on this rank's rows alone (Megatron's
+    vocabulary-parallel embedding): ids outside them look up row 0 and are zeroed, and the output
+    is a ``Partial`` ``DTensor`` that the row style's output hook sums over the tensor ranks.
+    Backward then makes the gradient of this rank's rows only; ``DTensor``'s own embedding
+    backward makes one of the whole vocabulary on every rank first (1 GB for Llama-3 8B)."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    weight = module.weight
+    start, stop = getattr(module, SLICES_ATTR)["weight"].ranges()[0]
+    x = ids.to_local() if isinstance(ids, DTensor) else ids
+    outside = (x < start) | (x >= stop)
+    local = (x - start).masked_fill(outside, 0)
+    pad = module.padding_idx
+    pad = pad - start if pad is not None and start <= pad < stop else None
+    out = nn.functional.embedding(local, weight.to_local(), pad).masked_fill(outside.unsqueeze(-1), 0)
+    return DTensor.from_local(out, weight.device_mesh, [Partial()], run_check=False)
 
 
 def _positions_style():
