@@ -28,7 +28,7 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 
 from .. import health
-from ..parallel.grid import Grid, _new_groups
+from ..parallel.grid import Grid, new_axis
 from .engine import ZeroEngine
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
@@ -357,7 +357,7 @@ def _tie_axes(model, tied, grid: Grid) -> list:
         owners = model.tie_owners(key)
         if len(owners) > 1:
             lists = [[(s * data + d) * tp + t for s in owners] for d in range(data) for t in range(tp)]
-            axes[key] = _new_groups("tie", lists, grid.rank)
+            axes[key] = new_axis("tie", lists, grid.rank)
     return [axes.get(name.split(".", 1)[0]) for name, _ in tied]
 
 

@@ -155,7 +155,7 @@ _GROUPS: dict[tuple, Optional[dist.ProcessGroup]] = {}
 teardown.on_exit_release(_GROUPS.clear)
 
 
-def _new_groups(name: str, all_ranks: list[list[int]], me: int) -> Axis:
+def new_axis(name: str, all_ranks: list[list[int]], me: int) -> Axis:
     """Make one group per list of ``all_ranks`` (every rank makes all of them, in the same order,
     as torch requires, member or not: torch numbers groups by how many a rank made; lists of one
     rank need none) and return this rank's axis (of this rank alone when it is in no list)."""
@@ -195,11 +195,11 @@ def build_grid(tp_size: int = 1, pp_size: int = 1, shard_size: Optional[int] = N
     def rank(p: int, d: int, t: int) -> int:
         return (p * dp_size + d) * tp_size + t
 
-    tensor = _new_groups("tensor", [[rank(p, d, t) for t in range(tp_size)]
+    tensor = new_axis("tensor", [[rank(p, d, t) for t in range(tp_size)]
                                     for p in range(pp_size) for d in range(dp_size)], me)
-    data = _new_groups("data", [[rank(p, d, t) for d in range(dp_size)]
+    data = new_axis("data", [[rank(p, d, t) for d in range(dp_size)]
                                 for p in range(pp_size) for t in range(tp_size)], me)
-    pipe = _new_groups("pipe", [[rank(p, d, t) for p in range(pp_size)]
+    pipe = new_axis("pipe", [[rank(p, d, t) for p in range(pp_size)]
                                 for d in range(dp_size) for t in range(tp_size)], me)
     return _with_hybrid(world, me, data, tensor, pipe, shard_size, source)
 
@@ -222,8 +222,8 @@ def _with_hybrid(world: int, me: int, data: Axis, tensor: Axis, pipe: Axis, shar
     all_data = _all_lists(data.ranks, world)
     shard_lists = [d[r * shard_size:(r + 1) * shard_size] for d in all_data for r in range(replicas)]
     replica_lists = [d[s::shard_size] for d in all_data for s in range(shard_size)]
-    shard = _new_groups("shard", shard_lists, me)
-    replica = _new_groups("replica", replica_lists, me)
+    shard = new_axis("shard", shard_lists, me)
+    replica = new_axis("replica", replica_lists, me)
     return Grid(world, me, data, tensor, pipe, shard, replica, everyone, source)
 
 
