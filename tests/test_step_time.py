@@ -114,6 +114,35 @@ def transformer(layers=4, hidden=1024, vocab=1000) -> ModelInfo:
     return ModelInfo("toy", "module", psi, psi, largest_unit=psi // layers, transformer=shape)
 
 
+def test_the_interleaved_schedule_divides_the_bubble_and_multiplies_the_sends():
+    """4 stages, 8 micro-batches, 2 chunks per stage (Narayanan et al. 2021): a bubble of 3/2
+    micro-batch slots, not 3; each micro-batch's activations cross 2 x as many stage boundaries;
+    the first stage holds 1 + 3/8 times 1F1B's activations (Korthikanti et al. 2022)."""
+    m = transformer(layers=8)
+    kw = dict(cluster=ROUND, ranks_per_node=4, pp=4, gradient_accumulation=8, seq_len=2048, micro_batch=1)
+    plain = zerodp.estimate(m, **kw)
+    inter = zerodp.estimate(m, virtual_stages=2, **kw)
+    p, i = plain.row(1).step_time, inter.row(1).step_time
+    send = 1 * 2048 * 1024 * 2 / 100e9  # one micro-batch's bf16 activations inside the node
+    assert i.communication_s - p.communication_s == pytest.approx(8 * 2 * send, rel=1e-6)
+    micro = lambda t: (t.compute_s + t.communication_s) / 8  # noqa: E731
+    assert p.bubble_s == pytest.approx(3 * micro(p), rel=1e-6)
+    assert i.bubble_s == pytest.approx(3 / 2 * micro(i), rel=1e-6)
+    assert i.step_time_s < p.step_time_s
+    assert inter.activations.per_layer == plain.activations.per_layer
+    assert inter.activations.bytes - inter.activations.logits == \
+        int((plain.activations.bytes - plain.activations.logits) * (1 + 3 / 8))
+
+
+@pytest.mark.parametrize("kw,message", [({"virtual_stages": 2}, "needs pipeline stages"),
+                                        ({"pp": 4, "virtual_stages": 4}, "do not divide the 8 layers"),
+                                        ({"pp": 4, "virtual_stages": 2, "gradient_accumulation": 6},
+                                         "multiples of the 4 stages")])
+def test_the_interleaved_schedule_refuses_what_it_cannot_run(kw, message):
+    with pytest.raises(EstimateError, match=message):
+        zerodp.estimate(transformer(layers=8), cluster=ROUND, ranks_per_node=4, seq_len=2048, **kw)
+
+
 def test_transformer_flops_are_two_per_weight_and_token_plus_attention():
     m = transformer()
     b, s, L, h = 2, 2048, 4, 1024
@@ -272,6 +301,10 @@ def test_search_ranks_the_layouts_that_fit():
     assert {lay.tp for lay in found.layouts} >= {1, 2} and {lay.pp for lay in found.layouts} >= {1, 2}
     assert all(lay.dp * lay.micro_batch * lay.gradient_accumulation == 16 for lay in found.layouts)
     assert found.reason.startswith(found.layouts[0].label)
+    # where chunks of the 8 layers allow it, interleaving shrinks the bubble and wins
+    piped = [lay for lay in found.layouts if lay.pp > 1 and not 8 % (2 * lay.pp)]
+    assert piped and all(lay.virtual_stages > 1 and not 8 % (lay.pp * lay.virtual_stages) for lay in piped)
+    assert all(lay.virtual_stages == 1 for lay in found.layouts if lay.pp == 8)
     count_only = rank_layouts("1B", cluster=ROUND, global_batch=16, seq_len=1000, ranks_per_node=8)
     assert {lay.tp for lay in count_only.layouts} == {1}  # no layer shapes: TP's traffic is unknown
 

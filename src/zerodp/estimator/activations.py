@@ -47,8 +47,12 @@ def layer_activation_bytes(shape: TransformerShape, micro_batch: int, seq_len: i
 
 
 def estimate_activations(model: ModelInfo, precision: str, micro_batch: Optional[int],
-                         seq_len: Optional[int], checkpointing: bool, fused_attention: bool = False) -> Activations:
-    """Activations for a known transformer; for other models a reason why not."""
+                         seq_len: Optional[int], checkpointing: bool, fused_attention: bool = False,
+                         pp: int = 1, virtual_stages: int = 1) -> Activations:
+    """Activations for a known transformer; for other models a reason why not. A pipeline's first
+    stage holds ``pp`` micro-batches of its ``L / pp`` layers under 1F1B, the whole model's layers'
+    worth for one micro-batch (what is counted); the interleaved schedule with ``v`` chunks holds
+    ``1 + (pp - 1) / (pp v)`` times that (Korthikanti et al. 2022)."""
     shape = model.transformer
     if shape is None:
         why = ("a bare parameter count has no layer shapes" if model.source == "count" else
@@ -68,6 +72,9 @@ def estimate_activations(model: ModelInfo, precision: str, micro_batch: Optional
     else:
         kept = shape.layers * layer
         how = "no activation checkpointing"
+    if virtual_stages > 1:
+        kept = int(kept * (1 + (pp - 1) / (pp * virtual_stages)))
+        how += f"; the interleaved schedule's first stage, {virtual_stages} chunks: x(1 + (pp-1)/(pp·v))"
     where = []
     if micro_batch is None:
         where.append("micro-batch 1 (default)")

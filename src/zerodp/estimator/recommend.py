@@ -96,7 +96,8 @@ def estimate(model: Union[str, int, nn.Module, ModelInfo], *, nodes: int = 1, ra
              reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET,
              max_live_parameters: int = DEFAULT_MAX_LIVE, tp: int = 1,
              shard_size: Optional[int] = None, pp: int = 1, cluster: Union[None, str, dict, Cluster] = None,
-             gradient_accumulation: int = 1, recalibrate: bool = False, fused_attention: bool = False) -> Estimate:
+             gradient_accumulation: int = 1, recalibrate: bool = False, fused_attention: bool = False,
+             virtual_stages: int = 1) -> Estimate:
     """Per-rank memory of ZeRO stages 0-3, with and without offload, and a recommendation.
 
     ``model``: a parameter count (``"7.5B"`` or an int), a path to a ``transformers`` config
@@ -107,7 +108,8 @@ def estimate(model: Union[str, int, nn.Module, ModelInfo], *, nodes: int = 1, ra
     (the only one for fp32). ``tp``: tensor-parallel size (each rank holds its slice of the
     parameters the model's plan splits; ZeRO shards over the N / tp data-parallel ranks);
     ``shard_size``: hybrid sharding, ZeRO shards over groups of that many data-parallel ranks;
-    ``pp``: pipeline stages, each holding 1/pp of the parameters (an even split).
+    ``pp``: pipeline stages, each holding 1/pp of the parameters (an even split);
+    ``virtual_stages``: chunks of layers per stage, for the interleaved 1F1B schedule.
     ``fused_attention``: activations without the attention scores (flash attention, SDPA).
     ``cluster`` (a preset name, ``"local"``, a JSON file or a :class:`Cluster`): every row also
     gets its predicted step time (``row.step_time``) for ``micro_batch`` (default 1) x ``seq_len``
@@ -138,6 +140,16 @@ def estimate(model: Union[str, int, nn.Module, ModelInfo], *, nodes: int = 1, ra
     if world % (tp * pp):
         raise EstimateError("tp" if world % tp else "pp", f"tensor {tp} x pipeline {pp} does not divide the "
                                                           f"{world} ranks")
+    virtual_stages = _positive_int(virtual_stages, "virtual_stages")
+    if virtual_stages > 1 and pp == 1:
+        raise EstimateError("virtual_stages", "the interleaved schedule needs pipeline stages: give pp too")
+    chunks = pp * virtual_stages
+    if virtual_stages > 1 and info.transformer is not None and info.transformer.layers % chunks:
+        raise EstimateError("virtual_stages", f"{pp} stages x {virtual_stages} chunks = {chunks} do not divide the "
+                                              f"{info.transformer.layers} layers")
+    if virtual_stages > 1 and machines is not None and gradient_accumulation % pp:
+        raise EstimateError("virtual_stages", f"the interleaved schedule runs micro-batches in multiples of the "
+                                              f"{pp} stages; gradient_accumulation is {gradient_accumulation}")
     n = world // (tp * pp)  # the data-parallel ranks ZeRO shards over
     if shard_size is not None:
         shard_size = _positive_int(shard_size, "shard_size")
@@ -146,7 +158,8 @@ def estimate(model: Union[str, int, nn.Module, ModelInfo], *, nodes: int = 1, ra
         n = shard_size
     whole = info
     info = info.local(tp).stage(pp)
-    acts = estimate_activations(info, precision, micro_batch, seq_len, checkpointing, fused_attention)
+    acts = estimate_activations(info, precision, micro_batch, seq_len, checkpointing, fused_attention, pp,
+                                virtual_stages)
     buffers = estimate_buffers(info, acc.params, reduce_bucket_size, max_live_parameters, pipeline=pp > 1)
     rows = [_with_fit(estimate_row(acc, info, stage, off, n, ranks_per_node, buffers, acts.bytes),
                       device, cpu) for stage, off in ROW_KEYS]
@@ -155,7 +168,7 @@ def estimate(model: Union[str, int, nn.Module, ModelInfo], *, nodes: int = 1, ra
         if seq is None:
             raise EstimateError("seq_len", "a step time needs the sequence length: pass seq_len")
         job = Job(micro_batch=micro_batch or 1, seq_len=seq, gradient_accumulation=gradient_accumulation,
-                  checkpointing=checkpointing, tp=tp, pp=pp, dp=world // (tp * pp),
+                  checkpointing=checkpointing, tp=tp, pp=pp, dp=world // (tp * pp), virtual_stages=virtual_stages,
                   ranks_per_node=ranks_per_node, precision=precision, reduce_bucket_size=reduce_bucket_size)
         rows = [replace(r, step_time=predict(whole, info, acc, r.stage, r.offload, job, machines,
                                              largest_unit=info.largest_unit)) for r in rows]

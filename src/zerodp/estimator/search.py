@@ -26,16 +26,19 @@ class Layout:
     gradient_accumulation: int
     checkpointing: bool
     row: Row
+    virtual_stages: int = 1
 
     @property
     def label(self) -> str:
         ckpt = ", checkpointing" if self.checkpointing else ""
-        return (f"TP {self.tp} x PP {self.pp} x DP {self.dp}, {self.row.label}, micro-batch {self.micro_batch}"
-                f" x {self.gradient_accumulation}{ckpt}")
+        chunks = f" ({self.virtual_stages} chunks, interleaved)" if self.virtual_stages > 1 else ""
+        return (f"TP {self.tp} x PP {self.pp}{chunks} x DP {self.dp}, {self.row.label}, micro-batch "
+                f"{self.micro_batch} x {self.gradient_accumulation}{ckpt}")
 
     def to_dict(self) -> dict:
         t = self.row.step_time
-        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "micro_batch": self.micro_batch,
+        return {"tp": self.tp, "pp": self.pp, "virtual_stages": self.virtual_stages, "dp": self.dp,
+                "micro_batch": self.micro_batch,
                 "gradient_accumulation": self.gradient_accumulation, "checkpointing": self.checkpointing,
                 "stage": self.row.stage, "offload": self.row.offload, "label": self.label,
                 "device_total": self.row.device_total, "step_time_s": t.step_time_s, "tokens_per_s": t.tokens_per_s,
@@ -91,8 +94,10 @@ def rank_layouts(model: Union[str, int, nn.Module, ModelInfo], *, cluster: Union
                  model_kwargs: Union[None, str, dict] = None, recalibrate: bool = False, **options) -> Search:
     """Every layout of ``global_batch`` sequences of ``seq_len`` tokens per step on ``nodes`` nodes of
     ``cluster`` (``ranks_per_node`` default: the cluster's devices per node) that fits: tensor-parallel
-    sizes within a node, pipeline stages up to the layer count, each micro-batch size that divides
-    the batch, with and without activation checkpointing, at every ZeRO stage and offload; ranked by
+    sizes within a node, pipeline stages up to the layer count (1F1B, and interleaved with 2 or 4
+    chunks per stage where they divide the layers and the micro-batches are a multiple of the
+    stages), each micro-batch size that divides the batch, with and without activation
+    checkpointing, at every ZeRO stage and offload; ranked by
     predicted step time. ``options`` go to :func:`zerodp.estimate` (``precision``, ``optimizer``, ...)."""
     machines = resolve_cluster(cluster, recalibrate=recalibrate)
     ranks_per_node = _positive_int(ranks_per_node or machines.devices_per_node, "ranks_per_node")
@@ -111,18 +116,20 @@ def rank_layouts(model: Union[str, int, nn.Module, ModelInfo], *, cluster: Union
                 if global_batch % (dp * mb):
                     continue
                 gas = global_batch // (dp * mb)
-                for ckpt in checkpointing:
+                # the interleaved schedule: 2 or 4 chunks per stage where they divide the layers
+                chunks = [1] + [v for v in (2, 4) if pp > 1 and not gas % pp and not layers % (pp * v)]
+                for ckpt, v in ((c, v) for c in checkpointing for v in chunks):
                     est = estimate(info, nodes=nodes, ranks_per_node=ranks_per_node, tp=tp, pp=pp, micro_batch=mb,
                                    seq_len=seq_len, checkpointing=ckpt, cluster=machines, gradient_accumulation=gas,
-                                   **options)
+                                   virtual_stages=v, **options)
                     for row in [r for r in est.rows if r.runnable]:
                         tried += 1
                         if row.fits is not False:
-                            found.append(Layout(tp, pp, dp, mb, gas, ckpt, row))
+                            found.append(Layout(tp, pp, dp, mb, gas, ckpt, row, v))
     # fastest first; among equals the simpler: lower stage, no offload, no recomputation, fewer splits
     found.sort(key=lambda lay: (round(lay.row.step_time.step_time_s, 9), lay.row.stage, lay.row.offload != "none",
-                                lay.checkpointing, lay.tp * lay.pp, -lay.micro_batch))
+                                lay.checkpointing, lay.tp * lay.pp, lay.virtual_stages, -lay.micro_batch))
     best: dict = {}
-    for lay in found:  # one per split, stage and offload: its fastest micro-batch and checkpointing
+    for lay in found:  # one per split, stage and offload: its fastest micro-batch, checkpointing and chunks
         best.setdefault((lay.tp, lay.pp, lay.row.stage, lay.row.offload), lay)
     return Search(list(best.values()), tried, machines, global_batch, seq_len)

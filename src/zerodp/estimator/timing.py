@@ -28,7 +28,9 @@ What overlaps (``cluster.overlap`` of it is hidden; the first gather and the las
   stage-3 gather.
 
 A pipeline of ``pp`` stages runs ``m`` micro-batches in ``m + pp - 1`` slots of one stage's
-micro-batch time: the ``pp - 1`` extra slots are the bubble.
+micro-batch time: the ``pp - 1`` extra slots are the bubble. The interleaved schedule with ``v``
+chunks of layers per stage (Narayanan et al. 2021) shrinks the bubble to ``(pp - 1) / v`` slots and
+sends each micro-batch's activations ``v`` times as often.
 
 Ranks that are processes sharing fewer cores (``cluster.shared_cores``, the ``local`` cluster) take
 the longer of that critical path at full speed and the node's total work over its cores: a
@@ -62,6 +64,7 @@ class Job:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    virtual_stages: int = 1  # chunks of layers per pipeline stage (the interleaved 1F1B schedule)
     ranks_per_node: int = 1
     precision: str = "bf16"
     reduce_bucket_size: int = 500_000_000
@@ -238,12 +241,12 @@ def predict(whole: ModelInfo, model: ModelInfo, acc: Accounting, stage: int, off
         optimizer_t = shard / (cluster.cpu_optimizer_rate / max(1, job.ranks_per_node))
         offload_t = grads_down + params_up
 
-    if job.pp > 1:  # the activations to the next stage, their gradients back
+    if job.pp > 1:  # the activations to the next stage, their gradients back: once per chunk
         t = model.transformer
         act = job.micro_batch * job.seq_len * (t.hidden if t else 1) * (2 if dtype != "fp32" else 4)
-        per_micro += 2 * links.send(act, links.pp_inside)
+        per_micro += 2 * job.virtual_stages * links.send(act, links.pp_inside)
     micro = micro_compute + tp_t + per_micro
-    bubble = (job.pp - 1) * micro
+    bubble = (job.pp - 1) * micro / job.virtual_stages
     busy = m * micro + boundary + optimizer_t + offload_t  # what one rank spends, at full speed
     step, scale = busy + bubble, 1.0
     cores = cluster.shared_cores

@@ -115,6 +115,9 @@ def _estimate_add_arguments(parser: argparse.ArgumentParser) -> None:
         "sharding over the rest (default 1)")
     add("--pp", default="1", help="pipeline stages: each holds its share of the layers (an even split), ZeRO "
         "sharding over the data-parallel ranks of the stage (default 1)")
+    add("--virtual-stages", default="1", metavar="V", help="the interleaved 1F1B schedule: V chunks of layers "
+        "per pipeline stage (pipeline.schedule Interleaved1F1B, PipelineModule(virtual_stages=V)): a bubble "
+        "of (pp-1)/V micro-batches, V times the point-to-point sends (default 1: 1F1B)")
     add("--hybrid-shard", default=None, metavar="N", help="hybrid sharding: ZeRO shards over groups of N "
         "data-parallel ranks and replicates across them (mics_shard_size)")
     add("--device-memory", default=None, help="memory per device, e.g. 80GB or 24GiB; without it "
@@ -178,6 +181,7 @@ def _run_estimate(args: argparse.Namespace) -> int:
             cpu_memory=args.cpu_memory, precision=args.precision, optimizer=args.optimizer,
             accounting=args.accounting, micro_batch=args.micro_batch, seq_len=args.seq_len,
             checkpointing=args.checkpointing, fused_attention=args.fused_attention, tp=args.tp, pp=args.pp,
+            virtual_stages=args.virtual_stages,
             shard_size=None if args.hybrid_shard is None else args.hybrid_shard, **defaults)
     except estimator.EstimateError as e:
         _error(f"--{e.name.replace('_', '-')}: {e.detail}", "estimate")
