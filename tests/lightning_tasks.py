@@ -15,7 +15,8 @@ rank 0, the loss of every training batch and the final full weights. CASE names:
   docs write it: layers built in ``configure_model``), ``-name`` (the strategy given by its
   registered name, e.g. ``"zerodp_stage_3"``), ``-eval`` (``validate``, ``test`` and
   ``predict`` after ``fit``, whose results are recorded), ``-log`` (a logger that records what
-  it is given), ``-save`` (``ModelCheckpoint(save_last=True)`` into WORKDIR/ckpt, then rank 0
+  it is given), ``-summary`` (Lightning's model summary on: at stage 3 its DeepSpeed summary,
+  which calls ``partition_numel()``), ``-save`` (``ModelCheckpoint(save_last=True)`` into WORKDIR/ckpt, then rank 0
   writes the one-file export and reads it back with ``load_from_checkpoint``), ``z3-full``
   (``validate`` from that file with ``ZeroStrategy(stage=3, load_full_weights=True)``), ``-resume``
   (``fit(ckpt_path="last")`` from WORKDIR/ckpt to four epochs; run with one rank and twice the
@@ -261,7 +262,7 @@ def run_trainer_case(case: str, work: str) -> dict:
         accumulate_grad_batches=2 if "gas2" in parts else 1,
         gradient_clip_val=CLIP if "clip" in parts else None,
         logger=logger, log_every_n_steps=1, callbacks=callbacks, enable_checkpointing="save" in parts or resume,
-        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=True)
+        enable_progress_bar=False, enable_model_summary="summary" in parts, use_distributed_sampler=True)
     if "full" in parts:  # the one-file export of -save, read at stage 3 by every rank
         trainer = L.Trainer(accelerator=ACCELERATOR, devices=int(os.environ.get("WORLD_SIZE", "1")),
                             strategy=ZeroStrategy(stage=3, load_full_weights=True), logger=False,

@@ -110,6 +110,8 @@ def outside_a_gather(group) -> dict:
     except RuntimeError as e:
         seen["read"] = str(e)
     seen["state_dict_shapes"] = sorted({tuple(t.shape) for t in engine.module.state_dict().values()})
+    # DeepSpeed's partition_numel(): this rank's elements of each parameter (Lightning's summary sums them)
+    seen["partition_numel"] = {n: (p.partition_numel(), p.ds_numel) for n, p in engine.module.named_parameters()}
     with zerodp.GatheredParameters([w]):
         seen["gathered"] = looks()
     engine.backward(_loss(engine, _batch(0, dist.get_rank(group))))

@@ -26,7 +26,8 @@ TOL = 1e-5
 TRAINER = ["ddp", "z1", "z2", "z3", "z2-off", "z3-off", "ddp-gas2-sgd", "z2-gas2-sgd", "z3-gas2-sgd",
            "ddp-clip", "z3-clip", "z1-clip", "ddp-gas2-sgd-clip", "z3-gas2-sgd-clip",
            "ddp-sgd", "ddp-bf16-sgd", "z3-bf16-sgd", "ddp-fp16-sgd", "z3-fp16-sgd",
-           "ddp-cfg", "z3-cfg-name", "z2-off-name", "ddp-eval", "z3-eval", "z3-log", "z3-save", "z3-full", "ddp-4ep"]
+           "ddp-cfg", "z3-cfg-name", "z2-off-name", "ddp-eval", "z3-eval", "z3-log", "z3-summary", "z3-save", "z3-full",
+           "ddp-4ep"]
 FABRIC = ["fabric-ddp", "fabric-z1", "fabric-z2", "fabric-z3", "fabric-z3-off", "fabric-z3-init",
           "fabric-ddp-gas2-sgd-clip", "fabric-z2-gas2-sgd-clip", "fabric-z3-gas2-sgd-clip", "fabric-z3-resume",
           "fabric-z2-off-resume"]
@@ -68,7 +69,7 @@ def assert_same_run(run: dict, ref: dict, tol: float = TOL) -> None:
     ("z1", "ddp"), ("z2", "ddp"), ("z3", "ddp"), ("z2-off", "ddp"), ("z3-off", "ddp"), ("z2-off-name", "ddp"),
     ("z2-gas2-sgd", "ddp-gas2-sgd"), ("z3-gas2-sgd", "ddp-gas2-sgd"), ("z1-clip", "ddp-clip"),
     ("z3-clip", "ddp-clip"), ("z3-gas2-sgd-clip", "ddp-gas2-sgd-clip"), ("z3-cfg-name", "ddp-cfg"),
-    ("z3-eval", "ddp-eval")])
+    ("z3-eval", "ddp-eval"), ("z3-summary", "ddp")])
 def test_trainer_equals_lightning_ddp(results, case, ref):
     assert results[case]["strategy"] == "ZeroStrategy" and results[ref]["strategy"] == "DDPStrategy"
     assert results[case]["is_deepspeed_strategy"]  # Lightning treats it as its DeepSpeed strategy
@@ -210,7 +211,8 @@ def test_takes_deepspeed_strategys_arguments(tmp_path):
 
 # -- the standalone pytorch_lightning and lightning_fabric ------------------------------------------
 
-STANDALONE = ["ddp", "z2", "z3", "z3-off", "ddp-cfg", "z3-cfg-name", "fabric-ddp", "fabric-z3", "fabric-z3-init"]
+STANDALONE = ["ddp", "z2", "z3", "z3-summary", "z3-off", "ddp-cfg", "z3-cfg-name", "fabric-ddp", "fabric-z3",
+              "fabric-z3-init"]
 
 
 @pytest.fixture(scope="module")
@@ -228,8 +230,9 @@ def standalone_results(tmp_path_factory) -> dict:
                      ZERODP_LIGHTNING_FLAVOR="standalone", ZERODP_AS_DEEPSPEED="0")
 
 
-@pytest.mark.parametrize("case,ref", [("z2", "ddp"), ("z3", "ddp"), ("z3-off", "ddp"), ("z3-cfg-name", "ddp-cfg"),
-                                      ("fabric-z3", "fabric-ddp"), ("fabric-z3-init", "fabric-ddp")])
+@pytest.mark.parametrize("case,ref", [("z2", "ddp"), ("z3", "ddp"), ("z3-summary", "ddp"), ("z3-off", "ddp"),
+                                      ("z3-cfg-name", "ddp-cfg"), ("fabric-z3", "fabric-ddp"),
+                                      ("fabric-z3-init", "fabric-ddp")])
 def test_pytorch_lightning_standalone_equals_its_ddp(standalone_results, case, ref):
     """``pytorch_lightning.Trainer(strategy=zerodp.pytorch_lightning.ZeroStrategy(...))`` (or a
     registered name) and ``lightning_fabric.Fabric`` train as their DDP does, without ``lightning``."""

@@ -42,7 +42,10 @@ def test_outside_a_gather_a_parameter_looks_like_deepspeeds(pool):
     full shape inside ``GatheredParameters``. Reading it outside gives an empty result rather than
     touching freed memory (before, its data was a view of a freed buffer: ``sum()`` crashed the
     process)."""
-    for r in pool.run(pt.outside_a_gather, 2):
+    out = pool.run(pt.outside_a_gather, 2)
+    for name, (_, whole) in out[0]["partition_numel"].items():  # every element kept by exactly one rank
+        assert sum(r["partition_numel"][name][0] for r in out) == whole, name
+    for r in out:
         rest = {"shape": (0,), "numel": 0, "device": "cpu", "dtype": "torch.float32", "ds_shape": (16, 8),
                 "ds_numel": 128, "available": False}
         assert r["at_rest"] == rest and r["after_step"] == rest

@@ -100,6 +100,18 @@ def _sliced(param: torch.Tensor, comm: Comm, dtype: Optional[torch.dtype]) -> tu
     return shard, torch.empty(0, dtype=full.dtype, device=full.device)
 
 
+class PartitionNumel:
+    """``param.partition_numel()``, a method of DeepSpeed's ZeRO-3 parameter: how many of its
+    elements this rank keeps (Lightning's model summary calls it at stage 3). A callable object,
+    not a lambda, so that a module holding the parameter still pickles."""
+
+    def __init__(self, numel: int) -> None:
+        self.numel = int(numel)
+
+    def __call__(self) -> int:
+        return self.numel
+
+
 def _describe(param: nn.Parameter, shard: InitShard) -> None:
     """Give ``param`` its slice and DeepSpeed's attributes of a partitioned parameter."""
     setattr(param, _ATTR, shard)
@@ -108,6 +120,7 @@ def _describe(param: nn.Parameter, shard: InitShard) -> None:
     param.ds_numel = shard.numel
     param.ds_status = ZeroParamStatus.NOT_AVAILABLE
     param.ds_tensor = shard.data
+    param.partition_numel = PartitionNumel(shard.data.numel())
     param.ds_persist = False
     param.ds_active_sub_modules = set()
 
@@ -179,7 +192,8 @@ def adopted(param: torch.Tensor) -> None:
     param.__dict__.pop("ds_tensor", None)
 
 
-_DS_ATTRS = ("ds_id", "ds_shape", "ds_numel", "ds_status", "ds_tensor", "ds_persist", "ds_active_sub_modules")
+_DS_ATTRS = ("ds_id", "ds_shape", "ds_numel", "ds_status", "ds_tensor", "ds_persist", "ds_active_sub_modules",
+             "partition_numel")
 
 
 def materialize(param: nn.Parameter) -> None:

@@ -14,7 +14,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .agree import GATHERED_PARAMETERS
 from .flat import FlatGroup
-from .init_shards import ZeroParamStatus, gathered, init_shard
+from .init_shards import PartitionNumel, ZeroParamStatus, gathered, init_shard
 
 if TYPE_CHECKING:
     from .agree import UnitAgreement
@@ -56,10 +56,14 @@ def register_params(groups: Iterable[FlatGroup], comm: "Comm", sharded: bool,
     ``agreement``: the engine's check that its ranks run the same units (stage 3), which
     ``GatheredParameters`` joins before a collective."""
     for g in groups:
-        for slot, p in zip(g.slots, g.params):
+        kept = [0] * len(g.slots)  # this rank's elements of each parameter
+        for piece in g.pieces:
+            kept[piece.slot] += piece.shard_hi - piece.shard_lo
+        for slot, p, mine in zip(g.slots, g.params, kept):
             _GROUP_OF[p] = (g, comm, sharded, agreement)
-            if sharded:  # DeepSpeed's attributes of a ZeRO-3 parameter (TRL and transformers read them)
+            if sharded:  # DeepSpeed's attributes of a ZeRO-3 parameter (TRL, transformers, Lightning read them)
                 p.ds_shape, p.ds_numel = slot.shape, slot.numel
+                p.partition_numel = PartitionNumel(mine)
                 p.ds_id = getattr(p, "ds_id", id(p))
                 p.ds_active_sub_modules = set()
                 p.ds_status = ZeroParamStatus.AVAILABLE if g.gathered else ZeroParamStatus.NOT_AVAILABLE
