@@ -121,7 +121,7 @@ class _Links:
     N`` latencies rather than ``2 (N-1)``), whichever is faster."""
 
     def __init__(self, cluster: Cluster, job: Job) -> None:
-        self.c, self.job = cluster, job
+        self.c = cluster
         per_node = job.ranks_per_node
         # ranks are laid out tensor-innermost, then data, then pipeline: a group's ranks on one node
         self.tp_together = min(job.tp, per_node)
@@ -188,6 +188,9 @@ def predict(whole: ModelInfo, model: ModelInfo, acc: Accounting, stage: int, off
     fwd_t = forward_flops(whole, job.micro_batch, job.seq_len) / (job.tp * job.pp) / rate
     bwd_t = 2 * fwd_t + (fwd_t if job.checkpointing else 0.0)
     micro_compute = fwd_t + bwd_t
+    # one micro-batch's activations (b s h), what tensor-parallel all-reduces and pipeline sends move
+    t = model.transformer
+    act = job.micro_batch * job.seq_len * (t.hidden if t else 1) * (2 if dtype != "fp32" else 4)
 
     # tensor parallelism: two all-reduces of the activations per layer forward, two backward
     tp_t = 0.0
@@ -195,8 +198,6 @@ def predict(whole: ModelInfo, model: ModelInfo, acc: Accounting, stage: int, off
         raise EstimateError("tp", "a step time with tensor parallelism needs the model's layer shapes (a "
                                   "transformers config or a factory), not a bare count")
     if job.tp > 1:
-        t = model.transformer
-        act = job.micro_batch * job.seq_len * t.hidden * (2 if dtype != "fp32" else 4)
         per_layer = links.all_reduce(act, job.tp, links.tp_together)
         calls = 4 + (2 if job.checkpointing else 0)
         tp_t = calls * per_layer * t.layers / job.pp
@@ -242,8 +243,6 @@ def predict(whole: ModelInfo, model: ModelInfo, acc: Accounting, stage: int, off
         offload_t = grads_down + params_up
 
     if job.pp > 1:  # the activations to the next stage, their gradients back: once per chunk
-        t = model.transformer
-        act = job.micro_batch * job.seq_len * (t.hidden if t else 1) * (2 if dtype != "fp32" else 4)
         per_micro += 2 * job.virtual_stages * links.send(act, links.pp_inside)
     micro = micro_compute + tp_t + per_micro
     bubble = (job.pp - 1) * micro / job.virtual_stages
