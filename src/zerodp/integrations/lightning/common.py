@@ -58,6 +58,7 @@ class ZerodpCalls:
 
     _deepspeed: type
     _ddp: type
+    _flavor: Any  # flavors.Flavor: which Lightning the class was made for
 
     def setup_environment(self) -> None:
         check_device(self)
@@ -92,9 +93,7 @@ def check_device_indices(strategy: Any) -> None:
     """On CUDA, process ``i`` of a node must use device ``i`` (as with DeepSpeed); CPU devices have
     no index."""
     if strategy.parallel_devices and strategy.parallel_devices[0].type == "cuda":
-        import importlib
-        fabric = "lightning_fabric" if type(strategy).__module__ == "zerodp.pytorch_lightning" else "lightning.fabric"
-        deepspeed = importlib.import_module(f"{fabric}.strategies.deepspeed")
+        deepspeed = strategy._flavor.fabric_module("strategies.deepspeed")  # the strategy's own Lightning's
         deepspeed._validate_device_index_selection(strategy.parallel_devices)
 
 

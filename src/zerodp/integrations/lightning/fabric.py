@@ -39,7 +39,7 @@ def make_fabric_strategy(flavor: Flavor) -> type:
         """
 
         strategy_name = "zerodp"
-        _deepspeed, _ddp = DeepSpeedStrategy, DDPStrategy
+        _deepspeed, _ddp, _flavor = DeepSpeedStrategy, DDPStrategy, flavor
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             common.construct(self, DeepSpeedStrategy, DDPStrategy, args, kwargs)
