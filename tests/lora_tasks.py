@@ -113,3 +113,53 @@ def meta_lora_task(group, init_lora_weights=True) -> dict:
             off = engine(input_ids=ids, labels=ids).loss.item()
     engine.destroy()
     return {"adapters": adapters, "on": on, "off": off}
+
+
+def _merged_round(model, ids, safe_merge: bool) -> dict:
+    """PEFT's merge and unmerge of the adapters into the base weights (as TRL does around generation):
+    the merged model's logits, and the weights while merged and after unmerging."""
+    with torch.no_grad():
+        model.merge_adapter(safe_merge=safe_merge)
+        logits = model(input_ids=ids).logits.clone()
+        merged = {n: p.detach().clone() for n, p in model.named_parameters() if "base_layer" in n}
+        model.unmerge_adapter()
+    return {"logits": logits, "merged": merged}
+
+
+def merge_reference(world: int, safe_merge: bool) -> dict:
+    """One process: a step, a merged round, another step, on the whole global batch."""
+    model = build_lora()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **ADAMW)
+    out = {}
+    for step in range(2):
+        opt.zero_grad(set_to_none=True)
+        losses = [loss_of(model, step, r, 0) for r in range(world)]
+        (sum(losses) / world).backward()
+        opt.step()
+        if step == 0:
+            out.update(_merged_round(model, hf_tasks.batch(9, 0, 0), safe_merge))
+    out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return out
+
+
+def merge_in_engine(group, stage: int, safe_merge: bool) -> dict:
+    """The same through zerodp: the merged round inside ``GatheredParameters`` (at stage 3 the merged
+    forward runs the units' hooks inside it), as TRL's ``unwrap_model_for_generation`` does."""
+    rank = dist.get_rank(group)
+    model = build_lora()
+    cfg = {"train_micro_batch_size_per_gpu": hf_tasks.MICRO, "steps_per_print": 10**9,
+           "optimizer": {"type": "AdamW", "params": dict(ADAMW, betas=list(ADAMW["betas"]))},
+           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 1}}
+    engine, *_ = zerodp.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                   config=cfg, process_group=group)
+    out = {}
+    for step in range(2):
+        engine.backward(loss_of(engine, step, rank, 0))
+        engine.step()
+        if step == 0:
+            with zerodp.GatheredParameters(list(model.parameters())):
+                out.update(_merged_round(model, hf_tasks.batch(9, 0, 0), safe_merge))
+    with zerodp.GatheredParameters(list(model.parameters())):
+        out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    engine.destroy()
+    return out

@@ -119,3 +119,96 @@ def outside_a_gather(group) -> dict:
     seen["after_step"] = looks()
     engine.destroy()
     return seen
+
+
+class Repacks(nn.Module):
+    """A layer that rewrites its frozen weight's data in its first forward, as bitsandbytes' 4-bit
+    layer does in eval mode on a CPU with AVX512-BF16 (``weight.data = repacked`` and a mark on the
+    side): the rows reversed and the bytes read as int32, read back that way from then on. Its
+    adapter trains."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8), requires_grad=False)
+        self.adapter = nn.Linear(8, 8)
+        self.repacked = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.repacked:
+            self.weight.data = self.weight.data.flip(0).contiguous().view(torch.int32)
+            self.repacked = True
+        return F.linear(x, self.weight.view(torch.float32).flip(0)) + self.adapter(x)
+
+
+def _repacking(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 8), Repacks(), nn.Tanh(), Repacks())
+
+
+def repacking_reference(world: int) -> dict:
+    model = _repacking()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = sum(_loss(model, _batch(step, r)) for r in range(world)).div(world)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {"losses": losses, "weights": [m.weight.detach().clone() for m in model if isinstance(m, Repacks)]}
+
+
+def repacking_in_engine(group, stage: int, offload: str = "none") -> dict:
+    """``_repacking`` trained through the engine: the data its layers assign in the first forward must
+    be what later forwards (after a release and a gather at stage 3) and a checkpoint see."""
+    rank = dist.get_rank(group)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
+           "optimizer": {"type": "SGD", "params": {"lr": LR}},
+           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 1,
+                                 "offload_param": {"device": offload}, "offload_optimizer": {"device": offload}}}
+    model = _repacking()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    engine, _, _, _ = zerodp.initialize(model=model, model_parameters=trained, config=cfg, process_group=group)
+    losses = []
+    for step in range(STEPS):
+        loss = _loss(engine, _batch(step, rank))
+        engine.backward(loss)
+        engine.step()
+        both = loss.detach().clone()
+        dist.all_reduce(both, group=group)
+        losses.append(both.item() / dist.get_world_size(group))
+    repackers = [m for m in model if isinstance(m, Repacks)]
+    with zerodp.GatheredParameters([m.weight for m in repackers]):
+        weights = [m.weight.detach().clone() for m in repackers]
+    engine.destroy()
+    return {"losses": losses, "weights": weights}
+
+
+def assign_with_modifier(group, stage: int) -> dict:
+    """``p.data = new`` (a new tensor, as PEFT's safe merge assigns) inside
+    ``GatheredParameters(modifier_rank=0)``: rank 0's new values reach every rank and the optimizer,
+    as an edit in place does."""
+    rank = dist.get_rank(group)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
+           "optimizer": {"type": "SGD", "params": {"lr": LR}},
+           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 1}}
+    engine, _, _, _ = zerodp.initialize(model=_base(), config=cfg, process_group=group)
+    w = engine.module[0].weight
+    with zerodp.GatheredParameters([w], modifier_rank=0):
+        w.data = torch.full_like(w.data, 0.5 if rank == 0 else -1.0)
+    engine.backward(_loss(engine, _batch(0, rank)))
+    engine.step()
+    with zerodp.GatheredParameters(list(engine.module.parameters())):
+        params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    engine.destroy()
+    return params
+
+
+def assign_reference(world: int) -> dict:
+    model = _base()
+    with torch.no_grad():
+        model[0].weight.fill_(0.5)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    sum(_loss(model, _batch(0, r)) for r in range(world)).div(world).backward()
+    opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}

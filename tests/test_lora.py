@@ -98,3 +98,22 @@ def test_an_initialization_that_reads_the_base_weights_is_refused_on_a_meta_mode
     with pytest.raises(ValueError, match="init_lora_weights='olora'.*meta device"):
         lora_initializer(model)(model, {id(p) for p in model.parameters()})
     assert lora_initializer(hf_tasks.build_model("gpt2")) is None
+
+
+@pytest.mark.parametrize("stage,safe_merge", [(2, False), (3, False), (3, True)])
+def test_merge_and_unmerge_inside_a_gather(pool, stage, safe_merge):
+    """PEFT's ``merge_adapter``/``unmerge_adapter`` inside ``GatheredParameters``, with a forward of the
+    merged model between them (TRL's generation with adapters): the merged logits and weights are
+    one process's, the unmerge restores the base (the merged forward's unit hooks must not release
+    what the context holds), and training goes on as in one process. ``safe_merge`` assigns the
+    merged weight (``weight.data = merged``) instead of adding in place."""
+    world = 2
+    out = pool.run(lt.merge_in_engine, world, stage, safe_merge)
+    ref = lt.merge_reference(world, safe_merge)
+    for rank, r in enumerate(out):
+        assert (r["logits"] - ref["logits"]).abs().max().item() <= 1e-5, rank
+        for name, want in ref["merged"].items():
+            assert (r["merged"][name] - want).abs().max().item() <= 1e-6, (rank, name)
+        for name, want in ref["params"].items():
+            err = (r["params"][name] - want).abs().max().item()
+            assert err <= 2e-6, f"rank {rank} {name}: {err:.3g}"

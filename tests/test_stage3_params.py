@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import param_tasks as pt
 import pytest
+import torch
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -52,3 +53,34 @@ def test_outside_a_gather_a_parameter_looks_like_deepspeeds(pool):
         assert r["gathered"] == dict(rest, shape=(16, 8), numel=128, available=True)
         assert r["read"] == "ok"
         assert r["state_dict_shapes"] == [(0,)]
+
+
+@pytest.mark.parametrize("stage,offload", [(2, "none"), (3, "none"), (3, "cpu")])
+def test_data_a_layer_assigns_in_its_forward_is_kept(pool, stage, offload):
+    """A layer that assigns its frozen weight new data in its first forward (another layout, read as
+    int32 from then on; bitsandbytes' 4-bit layer does this in eval mode on a CPU) trains as in one
+    process, and its weight is the repacked one afterwards: at stage 3 the data is kept in the flat
+    group at release, so the next gather gives it back as the layer left it. Before, the next gather
+    bound the old layout again, which the layer read as the new one, and every loss after the first
+    was wrong."""
+    world = 2
+    out = pool.run(pt.repacking_in_engine, world, stage, offload)
+    want = pt.repacking_reference(world)
+    for rank, r in enumerate(out):
+        for got, ref in zip(r["losses"], want["losses"]):
+            assert abs(got - ref) <= 1e-6 * abs(ref), (rank, r["losses"], want["losses"])
+        for got, ref in zip(r["weights"], want["weights"]):
+            assert got.dtype == torch.int32 and torch.equal(got, ref), rank
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_data_assigned_inside_gathered_parameters_reaches_every_rank(pool, stage):
+    """``p.data = new`` inside ``GatheredParameters(modifier_rank=0)`` is rank 0's edit, as an edit in
+    place is: every rank and the optimizer continue from it (before, stage 3 dropped it at release)."""
+    world = 2
+    out = pool.run(pt.assign_with_modifier, world, stage)
+    want = pt.assign_reference(world)
+    for rank, r in enumerate(out):
+        for name, value in want.items():
+            err = (r[name] - value).abs().max().item()
+            assert err <= 1e-6, f"rank {rank} {name}: {err:.3g}"

@@ -167,6 +167,12 @@ class FlatGroup:
         self._shard_being_copied = False  # an asynchronous checkpoint copy reads the shard: keep it
         self._pending = None  # a stage-3 all-gather in flight (prefetch)
         self.replaced: dict[int, nn.Parameter] = {}
+        # slot -> (dtype, shape) a module gave the parameter's data in place of the slot's own
+        # (``keep_assigned_data``): the parameter is bound to its bytes viewed that way
+        self._shown_as: dict[int, tuple[torch.dtype, torch.Size]] = {}
+        self._assigned = False  # stage 3: full holds assigned data the shard and master lack yet
+        self.holds = 0  # stage 3: ``GatheredParameters`` contexts holding the group gathered
+        self.release_pending = False  # a release came while held: done when the last hold ends
         if any(has_no_values(local_tensor(p)) for p in self.params):
             if self.tp_split or any(is_dtensor(p) for p in self.params):
                 raise ValueError("a tensor-parallel model cannot be on the meta device: build it with values "
@@ -289,10 +295,27 @@ class FlatGroup:
         return self._pending is not None and not self._pending.done
 
     def release(self) -> None:
-        """Free the full buffer's storage (stage 3, after use); the parameters are left as
-        DeepSpeed leaves a partitioned one (``_bind_params_released``)."""
+        """Free the full buffer's storage (stage 3, after use), first keeping any data a module
+        assigned to a parameter while it was gathered (``keep_assigned_data``); the parameters are
+        left as DeepSpeed leaves a partitioned one (``_bind_params_released``). While a
+        ``GatheredParameters`` context holds the group (``holds``) the release waits for its end:
+        a forward inside the context (TRL's generation between PEFT's merge and unmerge) leaves
+        the parameters the context gave."""
+        if self.holds:
+            self.release_pending = True
+            return
+        self.release_pending = False
         self.wait_gathered()
+        if self.gathered:
+            self.keep_assigned_data()
+        in_full = self._shard_in_full
         self._take_back_own_shard()
+        if self._assigned:
+            if not in_full:  # the shard kept storage of its own (on the host, on disk): update it
+                self.update_own_shard_from_full()
+            if self.optim is not None:
+                self.optim.refresh()
+            self._assigned = False
         self.full.untyped_storage().resize_(0)
         self._bind_params_released()
         self._mark(ZeroParamStatus.NOT_AVAILABLE)
@@ -352,9 +375,82 @@ class FlatGroup:
             self._pending = None
 
     def bind_params_to_full(self) -> None:
-        """Make every parameter's ``.data`` a view into ``full``."""
+        """Make every parameter's ``.data`` a view into ``full`` (typed and shaped as a module left
+        it, ``keep_assigned_data``)."""
         for i, p in enumerate(self.params):
-            bind_local(p, self.view(self.full, i))
+            bind_local(p, self.param_view(i))
+
+    def param_view(self, slot: int) -> torch.Tensor:
+        """Parameter ``slot``'s data as it is bound: its elements in ``full``, shaped like the
+        parameter, or their bytes in the dtype and shape a module gave its data."""
+        if slot not in self._shown_as:
+            return self.view(self.full, slot)
+        s, (dtype, shape) = self.slots[slot], self._shown_as[slot]
+        return self.full[s.offset:s.offset + s.numel].view(dtype).view(shape)
+
+    # -- data a module assigns to a gathered parameter --------------------------------
+
+    def keep_assigned_data(self) -> bool:
+        """Keep the data a module assigned to a gathered parameter (``p.data = t``), as one process
+        keeps it, instead of losing it at release: bitsandbytes repacks a 4-bit weight for the CPU's
+        kernels in the first forward in eval mode (and marks its quantization state so); PEFT's
+        safe merge assigns the merged weight. ``t`` is written into ``full`` (whence the shards,
+        the next gathers and checkpoints have it) and the parameter is bound to its place there
+        again, typed and shaped as ``t`` (a new dtype is a new reading of the same bytes, so ``t``
+        must have the slot's bytes). Every rank must assign the same, as a module's forward does.
+        Returns whether any parameter had new data; the master follows (at stage 3 with the shard,
+        at release). Data of another size, or of another dtype for a trained parameter, is refused with
+        the parameter's name."""
+        assigned = False
+        base, size = self.full.data_ptr(), self.full.element_size()
+        for i, (s, p) in enumerate(zip(self.slots, self.params)):
+            if is_dtensor(p) or s.numel == 0:
+                continue
+            dtype, shape = self._shown_as.get(i, (self.dtype, s.shape))
+            if p.data_ptr() == base + s.offset * size and p.dtype == dtype and p.shape == shape:
+                continue  # still its place in full (written in place, or not at all)
+            self._store_assigned(i, p, p.data)
+            assigned = True
+        if assigned and not self.shards_parameters:  # stages 0-2: full is the parameters; the master follows
+            if self.optim is not None:
+                self.optim.refresh()
+        elif assigned:
+            self._assigned = True  # stage 3: shard and master follow at release
+        return assigned
+
+    def _store_assigned(self, i: int, p: nn.Parameter, new: torch.Tensor) -> None:
+        s = self.slots[i]
+        region = self.full[s.offset:s.offset + s.numel]
+        nbytes, step = s.numel * region.element_size(), new.element_size()
+        what = (f"a module assigned parameter '{s.name}' (shape {tuple(s.shape)}, {self.dtype}) new data "
+                f"of shape {tuple(new.shape)} and {new.dtype} while it was gathered")
+        if new.numel() * step != nbytes:
+            raise ValueError(f"{what}: ZeRO keeps a parameter in a fixed place of its flat group, so new data "
+                             f"must keep its {nbytes} bytes; change the values in place, or build the module "
+                             "with the new shape before zerodp.initialize")
+        if new.dtype != self.dtype and p.requires_grad:
+            raise ValueError(f"{what}: a trained parameter keeps the dtype its optimizer state was built for; "
+                             "cast the model before zerodp.initialize")
+        if (region.storage_offset() * region.element_size()) % step:
+            raise ValueError(f"{what}: its place in the flat group is not aligned for {new.dtype}")
+        with torch.no_grad():
+            region.view(torch.uint8).copy_(new.detach().contiguous().reshape(-1).view(torch.uint8))
+        if new.dtype == self.dtype and new.shape == s.shape:
+            self._shown_as.pop(i, None)
+        else:
+            self._shown_as[i] = (new.dtype, new.shape)
+        p.data = self.param_view(i)
+
+    def update_own_shard_from_full(self) -> None:
+        """Write this rank's part of ``full`` into its persistent shard (stage 3), wherever that is
+        kept (on the device, on the host, in a file)."""
+        page = self.shard_page
+        if page is not None and not page.resident:
+            page.page_in()
+            self._own_shard.copy_(self.shard_of(self.full))
+            page.page_out(wait=True)
+        else:
+            self._own_shard.copy_(self.shard_of(self.full))
 
     # -- gradients --------------------------------------------------------------------
 

@@ -21,15 +21,19 @@ What this module gives:
   ``<weight>.quant_map``, ``<weight>.nested_absmax``, ``<weight>.nested_quant_map``,
   ``<weight>.quant_state.bitsandbytes__nf4``), which checkpoints save with the packed weights,
   load back, and write out when consolidated;
-* :func:`is_packed`, which precision casts and consolidation read so as never to cast packed codes.
+* :func:`is_packed`, which precision casts and consolidation read so as never to cast packed codes;
+* :func:`undo_cpu_repacking`, which a save calls first: bitsandbytes rewrites a weight's codes for
+  its CPU kernels in an eval-mode forward, and a checkpoint must hold the standard layout.
 
 The codes may be stored in any dtype (``bnb_4bit_quant_storage``: the model's dtype, or bitsandbytes'
 default ``uint8``, which lays out in a flat group of its own). Only bitsandbytes' 4-bit weights are
-packed parameters here; 8-bit bases (``load_in_8bit``) are not.
+packed parameters here; 8-bit bases (``load_in_8bit``) train exactly as ordinary frozen weights, but
+bitsandbytes keeps a whole copy of each beside it, which stage 3 cannot shard
+(:func:`held_whole_by_bitsandbytes`; the engine says so at ``initialize``).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -91,6 +95,33 @@ def restore_packed_states(module: nn.Module, tensors: dict[str, torch.Tensor]) -
             p.module.quant_state = state
         done.append(name)
     return done
+
+
+def held_whole_by_bitsandbytes(module: nn.Module) -> list[tuple[str, int]]:
+    """8-bit weights (LLM.int8, bitsandbytes' ``Int8Params``) with their bytes: bitsandbytes keeps
+    each one whole beside the parameter (``weight.CB``, then the layer's ``state.CB``) and computes
+    from that copy, so training is exact at any stage but stage 3 cannot shard them."""
+    return [(n, p.numel() * p.element_size()) for n, p in module.named_parameters()
+            if type(p).__name__ == "Int8Params" and getattr(p, "CB", None) is not None]
+
+
+def undo_cpu_repacking(module: nn.Module, gathered: Callable[[list], Any]) -> list[str]:
+    """Give back the standard layout to 4-bit weights that bitsandbytes repacked for its CPU kernels
+    (in eval mode, on a CPU with AVX512-BF16, the first forward rewrites a weight's codes and its
+    quantization state, and marks the state ``packing_format_for_cpu``), as bitsandbytes' own
+    ``state_dict()`` does before it writes them: a checkpoint then holds codes and a state that any
+    machine reads. Each such weight is gathered for it (``gathered``: ``GatheredParameters``, which
+    keeps the data assigned inside); every rank holds the same marks, so they gather the same
+    weights. Returns the names of the weights given back."""
+    repacked = [(n, p) for n, p in module.named_parameters()
+                if is_packed(p) and getattr(p.quant_state, "packing_format_for_cpu", False)]
+    if not repacked:
+        return []
+    from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+    for _, p in repacked:
+        with gathered([p]):
+            p.data, p.quant_state = _convert_weight_packed_for_cpu_inverse(p.data, p.quant_state)
+    return [n for n, _ in repacked]
 
 
 class ShardedLoad:

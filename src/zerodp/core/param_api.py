@@ -118,10 +118,15 @@ def _gathered_in_engines(params: list, modifier_rank: Optional[int]):
     gathered_here = [g for g, _, _, _ in needing if not g.gathered]
     for g, comm, _, _ in needing:
         comm.gather_shards(g)  # or, for a prefetch in flight, wait for it
+    held = [g for g, _, sharded, _ in entries if sharded]
+    for g in held:  # released when the context ends, not by a forward run inside it
+        g.holds += 1
     try:
         yield
     finally:
         for g, comm, sharded, _ in entries:
+            if g.gathered:  # data assigned to a parameter inside (``p.data = t``) is kept like an edit in place
+                g.keep_assigned_data()
             if modifier_rank is not None:
                 with torch.no_grad():
                     comm.broadcast(g.full, src_rank=modifier_rank)
@@ -130,5 +135,8 @@ def _gathered_in_engines(params: list, modifier_rank: Optional[int]):
                             g.shard.copy_(g.shard_of(g.full))
                     if g.optim is not None:
                         g.optim.refresh()
-        for g in gathered_here:
-            g.release()
+        for g in held:
+            g.holds -= 1
+        for g in held:
+            if not g.holds and (g.release_pending or any(g is h for h in gathered_here)):
+                g.release()

@@ -64,6 +64,7 @@ from ..core.init_shards import has_no_values, init_shard, prepare_for_sharding
 from ..core.leaves import apply_leaf_config
 from ..core.norm import global_norm_and_usage
 from ..core.optim_shard import OptimizerShard
+from ..core.packed import held_whole_by_bitsandbytes
 from ..core.plain_loop import PlainLoop
 from ..core.precision import LossScaler, PrecisionPolicy
 from ..core.reduce import GradReducer
@@ -284,6 +285,14 @@ class ZeroEngine(EngineAPI, nn.Module):
         for g in self.flat_groups:
             if not g.shards_parameters:
                 g.shard_parameters()
+        whole = held_whole_by_bitsandbytes(self.base_module)
+        if whole and self.comm.rank == 0:
+            logger.warning(
+                "stage 3: bitsandbytes keeps each of the %d 8-bit weights of this model (%s, ...) whole on every "
+                "rank (weight.CB, state.CB: %.3g MiB) and computes from that copy, so stage 3 shards only the "
+                "engine's own copy of them; training is exact. For a base that stage 3 shards, load it in 4 bits: "
+                "BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_storage=<the model's dtype>)",
+                len(whole), whole[0][0], sum(b for _, b in whole) / 2**20)
         zc = self.zero_config
         self.sharded = ShardedParams(self.base_module, unit_plan, self.flat_groups, self.comm, zc,
                                      _unit_done_hook(self))
@@ -474,6 +483,9 @@ class ZeroEngine(EngineAPI, nn.Module):
         if self._checkpointer is not None:  # an asynchronous save may still be copying the states
             self._checkpointer.before_update()
         self.reducer.sum_over_replicas()
+        for g in self.trainable:  # stages 0-2: data a module assigned to a parameter joins the buffer
+            if g.gathered:
+                g.keep_assigned_data()
         divisor = self.dp_world_size * (self.loss_scaler.scale if self.loss_scaler else 1.0)
         if self.offload is None:
             grads = self._unscaled_fp32_grads(divisor)

@@ -13,6 +13,8 @@ import torch.distributed as dist
 from ..core import device
 from ..core.collectives import SCRATCH
 from ..core.memory import measure_model_states
+from ..core.packed import undo_cpu_repacking
+from ..core.param_api import GatheredParameters
 from ..core.view import CheckpointView
 
 
@@ -124,6 +126,16 @@ class EngineAPI:
         is given this view, never the engine."""
         return CheckpointView(self)
 
+    def _parameters_as_saved(self) -> None:
+        """Before a save reads the parameters: data a module assigned to one (``p.data = t``) is in
+        its flat group's buffer (``FlatGroup.keep_assigned_data``; at stage 3 a release did it), and
+        4-bit weights that bitsandbytes repacked for its CPU kernels are back in the standard
+        layout (``core/packed.py``). Every rank calls it (a save is collective)."""
+        for g in self.flat_groups:
+            if g.gathered:
+                g.keep_assigned_data()
+        undo_cpu_repacking(self.base_module, GatheredParameters)
+
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False, async_save: Optional[bool] = None) -> bool:
         """Save to ``save_dir/tag`` (default tag ``global_step{N}``): every rank writes its shard
@@ -137,6 +149,7 @@ class EngineAPI:
             self._checkpointer = Checkpointer(self.checkpoint_view())
         if async_save is None:
             async_save = self.config.checkpoint.async_save
+        self._parameters_as_saved()
         with self.health.phase("save_checkpoint", str(save_dir)):
             return self._checkpointer.save(save_dir, tag, client_state, save_latest,
                                            exclude_frozen_parameters, async_save)
@@ -166,6 +179,7 @@ class EngineAPI:
         ``save_dir/save_filename`` from rank 0: safetensors for a ``.safetensors`` name,
         otherwise ``torch.save`` of the state dict. Every rank must call it."""
         from ..checkpoint.consolidate import save_16bit_model
+        self._parameters_as_saved()
         return save_16bit_model(self.checkpoint_view(), save_dir, save_filename, exclude_frozen_parameters)
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
@@ -178,6 +192,7 @@ class EngineAPI:
         others), gathered group by group (DeepSpeed's name; Accelerate calls it to save a
         stage-3 model). Every rank must call it."""
         from ..checkpoint.consolidate import consolidated_16bit_state_dict
+        self._parameters_as_saved()
         return consolidated_16bit_state_dict(self.checkpoint_view(), exclude_frozen_parameters)
 
     def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
