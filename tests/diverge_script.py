@@ -30,14 +30,17 @@ class ReadsLaterWeight(nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.branch, self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        # held apart: reading self.b.weight in a forward would gather it then (core/access.py), before
+        # GatheredParameters, whose collective this script is about
+        self.b_weight = (self.b.weight,)
 
     def forward(self, x, take_branch: bool):
         if take_branch and mode == "raises":
             raise ValueError("rank 0 fails in its forward")
         if take_branch:
             x = self.branch(x)
-        with zerodp.GatheredParameters(self.b.weight):
-            scale = self.b.weight.abs().mean().item()
+        with zerodp.GatheredParameters(self.b_weight[0]):
+            scale = self.b_weight[0].abs().mean().item()
         return self.b(torch.tanh(self.a(x))).pow(2).mean() * scale
 
 

@@ -62,6 +62,11 @@ class Unit:
         for g in self.groups:
             self.comm.gather_shards(g, async_op=async_op, what=f"unit '{self.name or '(root)'}'")
 
+    def pin(self) -> None:
+        """Keep the unit gathered until a matching unpin: a module using its parameters externally
+        is in its forward (its hooks unpin at the end)."""
+        self.pins += 1
+
     def release(self) -> None:
         if self.held:
             return

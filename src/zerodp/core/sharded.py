@@ -5,7 +5,8 @@ The engine holds one at stage 3 (``engine.sharded``; None below) and talks to it
 methods below, as it talks to the gradient reducer (``reduce.py``) through its own:
 
 * set-up: ``ShardedParams(...)`` makes the units of a plan, installs the root, unit and external
-  hooks (``gather.py``), and ``initialize_meta`` gives a model built on the meta device its values;
+  hooks (``gather.py``) and the watch on parameters read outside their unit (``access.py``), and
+  ``initialize_meta`` gives a model built on the meta device its values;
 * during a step: the hooks call ``Prefetcher.before_forward`` / ``before_backward`` and, once
   backward has gone through a unit, the engine's callback, which calls :meth:`unit_done` before
   handing the unit's gradients to the reducer;
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from torch import nn
 
+from .access import ReadWatch
 from .collectives import ScratchPool
 from .gather import (
     Prefetcher,
@@ -76,6 +78,8 @@ class ShardedParams:
                       and not u.is_root}
             if owners:
                 self._hooks += install_external_hooks(module, list(owners.values()), self.prefetcher)
+        # reads of a parameter outside its unit's forward: gathered then, external from then on
+        self.watch = ReadWatch(model, self.units, self.prefetcher)
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -134,6 +138,7 @@ class ShardedParams:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self.watch.remove()
         self.scratch.release()
 
     # -- what others read ----------------------------------------------------------------------

@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import re
 import time
 import weakref
 from collections import defaultdict
@@ -48,6 +47,7 @@ from torch import nn
 from .. import health
 from ..config import Config, ConfigError, resolve_batch_sizes
 from ..core import live
+from ..core.access import released_parameters_named
 from ..core.adapters import lora_initializer
 from ..core.assemble import (
     adopt_replaced_params,
@@ -87,29 +87,6 @@ def _grad_hook(engine: "ZeroEngine", t: int, i: int) -> Callable[[nn.Parameter],
         if live is not None:
             live._on_grad_ready(t, i, param)
     return hook
-
-
-_EMPTY_OPERAND = re.compile(r"(size|shape|dimension|storage|allocated).*(?<![\d.])0(?![\d.])", re.I | re.S)
-
-
-@contextlib.contextmanager
-def _explain_released_parameters(stage3: bool):
-    """Name the likely cause of torch's error for a parameter used outside its gather: its data is
-    then empty (``flat.FlatGroup.release``), so an operation on it fails on a size of 0."""
-    try:
-        yield
-    except RuntimeError as e:
-        text = str(e)
-        if stage3 and _EMPTY_OPERAND.search(text):
-            raise RuntimeError(
-                f"{text}\n\nstage 3: if an operand above is empty (size 0), a parameter was used while "
-                "its unit was not gathered (its data is then empty, as under DeepSpeed). A module read a "
-                "parameter of another unit outside that unit's forward (e.g. a parent using "
-                "child.weight directly). Declare the use with "
-                "zerodp.register_external_parameter(reading_module, parameter), make the reading "
-                "module a unit that encloses the owner (initialize(unit_classes=...)), or raise "
-                "stage3_param_persistence_threshold so the owner is not a unit of its own.") from e
-        raise
 
 
 def _unit_done_hook(engine: "ZeroEngine") -> Callable[[Unit], None]:
@@ -332,9 +309,15 @@ class ZeroEngine(EngineAPI, nn.Module):
             if tp is not None:
                 tp.check_inputs(args, kwargs)
             args, kwargs = self.precision.cast_inputs((args, kwargs))
-            with _explain_released_parameters(self.policy.shard_parameters), self._tp_region():
+            with released_parameters_named(self.read_watch), self._tp_region():
                 out = self.module(*args, **kwargs)
             return out  # under loss parallelism the model's own hooks made the loss a plain tensor
+
+    @property
+    def read_watch(self):
+        """Stage 3: what gathers a parameter read outside its unit's forward and names the parameters
+        a failed forward could not reach (``core/access.py``); None below stage 3."""
+        return self.sharded.watch if self.sharded is not None else None
 
     def _tp_region(self):
         """Where forward and backward run under tensor parallelism (torch's loss_parallel() when the
@@ -353,7 +336,7 @@ class ZeroEngine(EngineAPI, nn.Module):
         scaled = loss / self._gas if self._gas > 1 and scale_wrt_gas else loss
         if self.loss_scaler is not None:  # in fp32, so a 16-bit loss times the scale cannot overflow
             scaled = scaled.float() * self.loss_scaler.scale
-        with (self._timed("backward"), _explain_released_parameters(self.policy.shard_parameters),
+        with (self._timed("backward"), released_parameters_named(self.read_watch),
               self._tp_region()):
             self._in_engine_backward = True
             try:
