@@ -102,11 +102,23 @@ def test_comm_init_distributed_alone_and_log_summary():
 
 
 def test_no_deepspeed_module_is_shadowed():
+    """zerodp installs no module named ``deepspeed``: none in its source tree, and where ``import
+    deepspeed`` finds one (the test extra installs the real DeepSpeed), it is the file of the
+    ``deepspeed`` distribution, outside zerodp's tree, whatever the paths are named (a clone in a
+    directory named ``zerodp`` with its virtual environment inside it, say)."""
+    import importlib.metadata
     import importlib.util
     root = Path(SRC)
     assert not (root / "deepspeed").exists() and not (root / "deepspeed.py").exists()
     spec = importlib.util.find_spec("deepspeed")
-    assert spec is None or "zerodp" not in (spec.origin or "")
+    if spec is None:
+        return
+    origin = Path(spec.origin).resolve()
+    assert not origin.is_relative_to(root.resolve()), origin
+    assert not origin.is_relative_to(Path(zerodp.__file__).resolve().parent), origin
+    dist = importlib.metadata.distribution("deepspeed")
+    assert dist.metadata["Name"].lower() == "deepspeed"
+    assert origin in {Path(dist.locate_file(f)).resolve() for f in dist.files or []}, origin
 
 
 # -- names zerodp refuses ----------------------------------------------------------------------
