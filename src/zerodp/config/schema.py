@@ -195,8 +195,13 @@ class ZeroConfig(_Section):
                         "group, then summed across groups once per step; stage 3 gathers inside a group). -1 or "
                         "1: shard over every data-parallel rank.")
     zero_hpz_partition_size: _Positive = Field(
-        1, description="DeepSpeed's hpZ size; zerodp gives it mics_shard_size's meaning (all model states "
-                       "sharded inside groups of this size, replicated across them). 1: off.")
+        1, description="ZeRO++ hpZ (stage 3): optimizer states, masters, gradients and the parameters' own "
+                       "shards stay sharded over every data-parallel rank; besides them each rank keeps a "
+                       "secondary copy of the parameters (their dtype) sharded over groups of this many "
+                       "consecutive data-parallel ranks (a node), made by the first gather of a step and "
+                       "read by backward's gathers and later micro-batches' within the group; dropped after "
+                       "each optimizer step (frozen parameters keep theirs). Costs 2 bytes x parameters / "
+                       "this size per rank (16-bit). 1: off. See docs/parallel.md.")
 
     @model_validator(mode="after")
     def _offload_fits_stage(self) -> "ZeroConfig":
@@ -207,9 +212,16 @@ class ZeroConfig(_Section):
                              "whole on every rank (use stage 1 or higher to offload it)")
         if self.param_offload != "none" and self.stage != 3:
             raise ValueError("allowed: offload_param at stage 3 only, where parameters are sharded")
-        if max(self.mics_shard_size, self.zero_hpz_partition_size) > 1 and self.stage == 0:
-            raise ValueError("allowed: mics_shard_size / zero_hpz_partition_size at stages 1-3 (stage 0 "
-                             "shards nothing)")
+        if self.mics_shard_size > 1 and self.stage == 0:
+            raise ValueError("allowed: mics_shard_size at stages 1-3 (stage 0 shards nothing)")
+        if self.zero_hpz_partition_size > 1 and self.stage != 3:
+            raise ValueError("allowed: zero_hpz_partition_size at stage 3 only (hpZ keeps a secondary copy of "
+                             "the parameters' shards, which only stage 3 shards; as in DeepSpeed); for states "
+                             "sharded within groups and replicated across them at stages 1-2, use mics_shard_size")
+        if self.zero_hpz_partition_size > 1 and self.mics_shard_size > 1:
+            raise ValueError("allowed: one of zero_hpz_partition_size (hpZ: states over every rank, a secondary "
+                             "parameter copy within groups) and mics_shard_size (MiCS: every state within "
+                             "groups, replicated across them), not both")
         if self.mics_shard_size == 0 or self.mics_shard_size < -1:
             raise ValueError(f"mics_shard_size: allowed: -1 (off) or a size >= 1, got {self.mics_shard_size}")
         if self.param_offload != "none" and self.optimizer_offload == "none":

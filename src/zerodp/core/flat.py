@@ -172,6 +172,8 @@ class FlatGroup:
         self._shown_as: dict[int, tuple[torch.dtype, torch.Size]] = {}
         self._assigned = False  # stage 3: full holds assigned data the shard and master lack yet
         self.holds = 0  # stage 3: ``GatheredParameters`` contexts holding the group gathered
+        self.secondary: Optional[Any] = None  # hpZ's secondary copy (``secondary.SecondaryCopy``)
+        self._keep_secondary = False  # a gather over every rank in flight: keep the secondary part after
         self.release_pending = False  # a release came while held: done when the last hold ends
         if any(has_no_values(local_tensor(p)) for p in self.params):
             if self.tp_split or any(is_dtensor(p) for p in self.params):
@@ -311,6 +313,7 @@ class FlatGroup:
         in_full = self._shard_in_full
         self._take_back_own_shard()
         if self._assigned:
+            self.drop_secondary()
             if not in_full:  # the shard kept storage of its own (on the host, on disk): update it
                 self.update_own_shard_from_full()
             if self.optim is not None:
@@ -344,9 +347,13 @@ class FlatGroup:
     def open_for_gather(self) -> torch.Tensor:
         """Re-allocate the full buffer, with this rank's shard in its place, and return it for the
         all-gather that fills the rest (``Comm.gather_shards`` issues it and hands its work to
-        :meth:`gathering`)."""
+        :meth:`gathering`); with a valid hpZ copy, this rank's part of that copy instead, for the
+        all-gather within its few ranks."""
         self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
         self.bind_params_to_full()
+        if self.secondary is not None and self.secondary.valid:  # hpZ: a gather within the few ranks
+            self.secondary.fill(self.full)  # (the own shard keeps its storage meanwhile)
+            return self.full
         page = self.shard_page
         if page is not None and not page.resident:  # on disk: read, copy, drop
             page.page_in()
@@ -364,15 +371,28 @@ class FlatGroup:
 
     def gathering(self, work) -> None:
         """The all-gather into the full buffer was issued: ``work`` (a prefetch's, still in flight,
-        until :meth:`wait_gathered`)."""
+        until :meth:`wait_gathered`). With hpZ, a gather over every rank keeps this rank's part of
+        the secondary copy once it is done."""
         self._pending = work
+        self._keep_secondary = self.secondary is not None and not self.secondary.valid
         self._mark(ZeroParamStatus.AVAILABLE)
+        if self._keep_secondary and work.done:
+            self.wait_gathered()
 
     def wait_gathered(self) -> None:
         """Finish a prefetch in flight, if any."""
         if self._pending is not None:
             self._pending.wait()
             self._pending = None
+        if self._keep_secondary:
+            self._keep_secondary = False
+            self.secondary.keep(self.full, self._own_shard.device)
+
+    def drop_secondary(self) -> None:
+        """The parameters changed: hpZ's secondary copy, if any, is stale (the next gather is over
+        every rank again, and keeps a fresh one)."""
+        if self.secondary is not None:
+            self.secondary.drop()
 
     def bind_params_to_full(self) -> None:
         """Make every parameter's ``.data`` a view into ``full`` (typed and shaped as a module left

@@ -113,6 +113,7 @@ class Prefetcher:
         self._deferred: Optional[int] = None  # the first unit of backward: prefetch after it
         self.rerecords = 0
         self.peak_gathered_bytes = 0
+        self.peak_secondary_bytes = 0  # hpZ's secondary copies (core/secondary.py), the most held at once
         self.gather_wait_s = 0.0  # time spent waiting for units to arrive (exposed gathers)
         self.suspended = False  # every unit is held gathered (``ZeroEngine.parameters_held``): nothing to do
         self.agreement = UnitAgreement(units[0].comm, self._label, self._leaf_hint) if units else None
@@ -277,6 +278,8 @@ class Prefetcher:
     def note_peak(self) -> None:
         live = sum(g.full.untyped_storage().nbytes() for u in self.units for g in u.groups)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, live)
+        copies = sum(g.secondary.nbytes for u in self.units for g in u.groups if g.secondary is not None)
+        self.peak_secondary_bytes = max(self.peak_secondary_bytes, copies)  # hpZ
 
 
 #: Containers that are never called, so their forward hooks never run: never units.
@@ -384,6 +387,7 @@ def install_root_hooks(model: nn.Module, units: list[Unit], prefetcher: Prefetch
             units[0].gather(async_op=True)
             prefetcher.start_forward()
             units[0].gather()
+            prefetcher.note_peak()
 
     def post_forward(module, args, output):
         nonlocal depth

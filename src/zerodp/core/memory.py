@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from .stages import StagePolicy
 
 CATEGORIES = ("parameters", "gradients", "master_weights", "optimizer_states",
-              "optimizer_scalars", "gathered_parameters", "gradient_buckets")
+              "optimizer_scalars", "gathered_parameters", "gradient_buckets", "secondary_parameters")
 
 
 class MeasuredEngine(Protocol):
@@ -47,6 +47,10 @@ def measure_model_states(engine: MeasuredEngine) -> dict[str, int]:
 
     * ``parameters``: the persistent flat parameter buffers (full at stages 0-2, this rank's
       shards at stage 3);
+    * ``secondary_parameters``: hpZ's secondary copy of the parameters (``secondary.py``) held
+      right now: from a step's first gather of each unit until the optimizer step drops it (a
+      frozen group's is kept); zero without hpZ; ``secondary_parameters_peak``: the most held at once
+      so far (what a step holds between its first forward and its update);
     * ``gathered_parameters``: stage 3's full parameter buffers allocated right now (between
       a unit's gather and release; zero between steps), and ``gathered_parameters_peak``, the
       most allocated at once so far (prefetched units included);
@@ -64,7 +68,8 @@ def measure_model_states(engine: MeasuredEngine) -> dict[str, int]:
     * ``collective_buffers``: the transient buffers of gloo's all-to-all collectives that this
       process keeps for reuse (``collectives.ScratchPool``; shared by its engines; none on NCCL).
 
-    ``model_states`` is the sum of the first four. With offload, ``model_states_on_compute``,
+    ``model_states`` is the sum of the first four and ``secondary_parameters``. With offload,
+    ``model_states_on_compute``,
     ``model_states_on_host`` and ``model_states_on_disk`` split it by where it lives (on a
     CPU-only machine "compute" and "host" are the same memory), ``offload_buffers`` is the
     host transfer buffers and ``offload_tiles_peak`` the most bytes of disk-offloaded tiles read
@@ -76,6 +81,8 @@ def measure_model_states(engine: MeasuredEngine) -> dict[str, int]:
         out["parameters"] += numel * g.full.element_size()
         if g.shards_parameters:
             out["gathered_parameters"] += g.full.untyped_storage().nbytes()
+        if g.secondary is not None:
+            out["secondary_parameters"] += g.secondary.nbytes
     for g in engine.trainable:
         out["gradients"] += g.grad_bytes
         if master_of(g) is not None:
@@ -91,10 +98,11 @@ def measure_model_states(engine: MeasuredEngine) -> dict[str, int]:
     out["gradient_buckets"] = engine.reducer.bucket_bytes()
     out["gradient_buckets_peak"] = engine.reducer.peak_bucket_bytes
     out["gathered_parameters_peak"] = engine.sharded.peak_gathered_bytes if engine.sharded is not None else 0
+    out["secondary_parameters_peak"] = engine.sharded.peak_secondary_bytes if engine.sharded is not None else 0
     out["collective_buffers"] = SCRATCH.held_bytes + (engine.sharded.scratch.held_bytes
                                                       if engine.sharded is not None else 0)
     out["model_states"] = (out["parameters"] + out["gradients"] + out["master_weights"]
-                           + out["optimizer_states"])
+                           + out["optimizer_states"] + out["secondary_parameters"])
     off = getattr(engine, "offload", None)
     if off is not None:
         out.update(_placement(engine, out, off))
@@ -107,7 +115,7 @@ def _placement(engine: MeasuredEngine, out: dict[str, int], off) -> dict[str, in
     memory at once so far."""
     where = {"compute": 0, "host": 0, "disk": 0}
     params_at = {"cpu": "host", "nvme": "disk"}.get(engine.zero_config.param_offload, "compute")
-    where[params_at] += out["parameters"]
+    where[params_at] += out["parameters"] + out["secondary_parameters"]  # hpZ's copy beside the shards
     where["compute"] += out["gradients"]
     where[off.location] += out["master_weights"] + out["optimizer_states"]
     return {"model_states_on_compute": where["compute"], "model_states_on_host": where["host"],

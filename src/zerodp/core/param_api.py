@@ -133,6 +133,7 @@ def _gathered_in_engines(params: list, modifier_rank: Optional[int]):
                     if sharded:
                         with g.swapped_in():
                             g.shard.copy_(g.shard_of(g.full))
+                        g.drop_secondary()  # hpZ's copy holds the values from before
                     if g.optim is not None:
                         g.optim.refresh()
         for g in held:

@@ -37,6 +37,7 @@ from .gather import (
 )
 from .leaves import mark_leaf_parameters
 from .param_api import external_users
+from .secondary import SecondaryCopy
 
 if TYPE_CHECKING:
     import torch
@@ -53,6 +54,9 @@ class ShardedParams:
     ``groups`` (flat groups already sharded), gathered through ``comm``; ``on_unit_done(unit)`` is
     called once backward has gone through a unit (after :meth:`unit_done`).
 
+    ``secondary``: with hpZ, the collectives of the few ranks that share each group's secondary copy
+    (``secondary.py``).
+
     ``comm`` is the group's collectives borrowing from the object's own ``scratch``: one buffer,
     sized to the largest unit, for gloo's all-to-all forms (an all-gather's copies of this
     rank's shard, a reduce-scatter's received chunks). The units' all-gathers and, given this
@@ -60,9 +64,14 @@ class ShardedParams:
     buffer, not one per operation in flight (each one overlaps a unit's computation still)."""
 
     def __init__(self, model: nn.Module, unit_plan: list, groups: "list[FlatGroup]", comm: "Comm",
-                 zero_config: "ZeroConfig", on_unit_done: Callable[[Unit], None]) -> None:
+                 zero_config: "ZeroConfig", on_unit_done: Callable[[Unit], None],
+                 secondary: Optional["Comm"] = None) -> None:
         self.scratch = ScratchPool(capacity=1)
         self.comm = comm.using(self.scratch)
+        if secondary is not None:  # hpZ: each group's secondary copy, gathered within these ranks
+            within = secondary.using(self.scratch)
+            for g in groups:
+                g.secondary = SecondaryCopy(within, g.padded_numel, pin=True)
         self.units = [Unit(u, name, mod, [g for g in groups if g.unit == u], self.comm)
                       for u, (name, mod) in enumerate(unit_plan)]
         mark_leaf_parameters(model)
@@ -151,6 +160,11 @@ class ShardedParams:
     @property
     def peak_gathered_bytes(self) -> int:
         return self.prefetcher.peak_gathered_bytes
+
+    @property
+    def peak_secondary_bytes(self) -> int:
+        """hpZ: the most bytes of secondary copies held at once so far."""
+        return self.prefetcher.peak_secondary_bytes
 
     @property
     def gather_wait_s(self) -> float:

@@ -228,9 +228,12 @@ class CheckpointView:
     # -- what a load does to the engine besides filling tensors ----------------------------
 
     def release_units(self) -> None:
-        """Stage 3: release every gathered unit, so a load writes into the shards alone."""
+        """Stage 3: release every gathered unit, so a load writes into the shards alone (and drop
+        hpZ's secondary copies, which the loaded values make stale)."""
         if self._engine.sharded is not None:
             self._engine.sharded.release_all()
+        for g in self._engine.flat_groups:
+            g.drop_secondary()
 
     def zero_grad(self) -> None:
         """Clear every gradient (after a load, none belongs to the loaded state)."""

@@ -271,8 +271,10 @@ class ZeroEngine(EngineAPI, nn.Module):
                 "BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_storage=<the model's dtype>)",
                 len(whole), whole[0][0], sum(b for _, b in whole) / 2**20)
         zc = self.zero_config
+        hpz = self.grid.secondary  # hpZ's secondary copies, gathered within these ranks (core/secondary.py)
         self.sharded = ShardedParams(self.base_module, unit_plan, self.flat_groups, self.comm, zc,
-                                     _unit_done_hook(self))
+                                     _unit_done_hook(self),
+                                     secondary=hpz.comm(self.comm.counter, "secondary") if hpz is not None else None)
         self.param_offload = ParamOffload(zc, self.config.aio, self.device, self.grid.rank) \
             if zc.param_offload != "none" else None  # shards on the host or on disk (offload/params.py)
         park = self.param_offload.park if self.param_offload is not None else None
@@ -504,6 +506,8 @@ class ZeroEngine(EngineAPI, nn.Module):
             for g in self.trainable:
                 g.optim.write_back()
         self.optimizer._opt_called = True  # what torch's scheduler checks (its wrapper is on the instance's step)
+        for g in self.trainable:  # hpZ: the secondary copies of what changed are stale
+            g.drop_secondary()
         if self.policy.gather_after_step:
             handles = [self.comm.all_gather(g.full, async_op=True) for g in self.trainable]
             for h in handles:

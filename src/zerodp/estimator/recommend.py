@@ -97,7 +97,7 @@ def estimate(model: Union[str, int, nn.Module, ModelInfo], *, nodes: int = 1, ra
              max_live_parameters: int = DEFAULT_MAX_LIVE, tp: int = 1,
              shard_size: Optional[int] = None, pp: int = 1, cluster: Union[None, str, dict, Cluster] = None,
              gradient_accumulation: int = 1, recalibrate: bool = False, fused_attention: bool = False,
-             virtual_stages: int = 1) -> Estimate:
+             virtual_stages: int = 1, hpz: Optional[int] = None) -> Estimate:
     """Per-rank memory of ZeRO stages 0-3, with and without offload, and a recommendation.
 
     ``model``: a parameter count (``"7.5B"`` or an int), a path to a ``transformers`` config
@@ -107,7 +107,10 @@ def estimate(model: Union[str, int, nn.Module, ModelInfo], *, nodes: int = 1, ra
     ``accounting``: ``"mixed"`` (default for bf16/fp16), ``"no-master"``, or ``"fp32"``
     (the only one for fp32). ``tp``: tensor-parallel size (each rank holds its slice of the
     parameters the model's plan splits; ZeRO shards over the N / tp data-parallel ranks);
-    ``shard_size``: hybrid sharding, ZeRO shards over groups of that many data-parallel ranks;
+    ``shard_size``: hybrid sharding (MiCS), ZeRO shards every state over groups of that many
+    data-parallel ranks; ``hpz``: ZeRO++ hpZ at stage 3 (``zero_hpz_partition_size``), every state
+    sharded over all data-parallel ranks plus a 16-bit secondary copy of the parameters over groups
+    of that many, which backward's and later micro-batches' gathers read within the group;
     ``pp``: pipeline stages, each holding 1/pp of the parameters (an even split);
     ``virtual_stages``: chunks of layers per stage, for the interleaved 1F1B schedule.
     ``fused_attention``: activations without the attention scores (flash attention, SDPA).
@@ -156,12 +159,21 @@ def estimate(model: Union[str, int, nn.Module, ModelInfo], *, nodes: int = 1, ra
         if n % shard_size:
             raise EstimateError("shard_size", f"{shard_size} does not divide the {n} data-parallel ranks")
         n = shard_size
+    hpz = 1 if hpz is None else _positive_int(hpz, "hpz")
+    if hpz > 1:
+        if shard_size is not None:
+            raise EstimateError("hpz", "hpZ keeps states over every data-parallel rank, hybrid sharding (shard_size) "
+                                       "within groups: give one of them")
+        if tp > 1 or pp > 1:
+            raise EstimateError("hpz", "hpZ with tensor or pipeline parallelism is not implemented in zerodp")
+        if n % hpz:
+            raise EstimateError("hpz", f"{hpz} does not divide the {n} data-parallel ranks")
     whole = info
     info = info.local(tp).stage(pp)
     acts = estimate_activations(info, precision, micro_batch, seq_len, checkpointing, fused_attention, pp,
                                 virtual_stages)
     buffers = estimate_buffers(info, acc.params, reduce_bucket_size, max_live_parameters, pipeline=pp > 1)
-    rows = [_with_fit(estimate_row(acc, info, stage, off, n, ranks_per_node, buffers, acts.bytes),
+    rows = [_with_fit(estimate_row(acc, info, stage, off, n, ranks_per_node, buffers, acts.bytes, hpz),
                       device, cpu) for stage, off in ROW_KEYS]
     if machines is not None:
         seq = seq_len or acts.seq_len or (whole.transformer.context if whole.transformer else None)
@@ -169,7 +181,7 @@ def estimate(model: Union[str, int, nn.Module, ModelInfo], *, nodes: int = 1, ra
             raise EstimateError("seq_len", "a step time needs the sequence length: pass seq_len")
         job = Job(micro_batch=micro_batch or 1, seq_len=seq, gradient_accumulation=gradient_accumulation,
                   checkpointing=checkpointing, tp=tp, pp=pp, dp=world // (tp * pp), virtual_stages=virtual_stages,
-                  ranks_per_node=ranks_per_node, precision=precision, reduce_bucket_size=reduce_bucket_size)
+                  ranks_per_node=ranks_per_node, precision=precision, reduce_bucket_size=reduce_bucket_size, hpz=hpz)
         rows = [replace(r, step_time=predict(whole, info, acc, r.stage, r.offload, job, machines,
                                              largest_unit=info.largest_unit)) for r in rows]
         rec, reason = _recommend_by_time(rows, device)
@@ -190,6 +202,14 @@ def estimate(model: Union[str, int, nn.Module, ModelInfo], *, nodes: int = 1, ra
                  "the rest (norms, biases of row splits, position embeddings) stay whole on every rank")
         notes.append(f"tensor parallelism: {tp} ranks per layer, Ψ is one rank's slice ({_num(info.params)}); "
                      f"{split}; activations are not divided by the tensor-parallel size here")
+    if hpz > 1:
+        notes.append(f"hpZ (zero_hpz_partition_size {hpz}), stage 3 rows: every state sharded over the {n} "
+                     f"data-parallel ranks as at plain stage 3, plus the secondary copy of the parameters "
+                     f"(2Ψ/{hpz} in 16-bit) in 'states'; traffic over all {n} ranks is the step's first forward's "
+                     f"gathers and the gradients' reduce-scatter, the other gathers run within groups of {hpz}")
+    elif shard_size is not None:
+        notes.append(f"hybrid sharding (MiCS, mics_shard_size {n}): every state sharded within groups of {n} "
+                     "ranks and replicated across the groups; N above is the group")
     if pp > 1:
         notes.append(f"pipeline parallelism: {pp} stages, Ψ is one stage's share ({_num(info.params)}, an even "
                      "split; a stage's real share follows its layers), plus the activations the schedule keeps for "
@@ -199,4 +219,4 @@ def estimate(model: Union[str, int, nn.Module, ModelInfo], *, nodes: int = 1, ra
                      f"micro-batch {job.micro_batch} x sequence {job.seq_len} x {gradient_accumulation} "
                      "micro-batch(es) per step; a model of the step (docs/estimate.md), not a measurement")
     return Estimate(info, nodes, ranks_per_node, precision, spec, acc, device, cpu, buffers, acts,
-                    rows, rec, reason, notes, tp=tp, shard_size=n, pp=pp, cluster=machines)
+                    rows, rec, reason, notes, tp=tp, shard_size=n, pp=pp, cluster=machines, hpz=hpz)

@@ -42,6 +42,8 @@ class Estimate:
     """Pipeline stages: the model is one stage's share of it."""
     cluster: Optional[Cluster] = None
     """The cluster step times were predicted for (None: memory only)."""
+    hpz: int = 1
+    """ZeRO++ hpZ's secondary group size (1: off)."""
 
     @property
     def world_size(self) -> int:
@@ -60,7 +62,7 @@ class Estimate:
         return {
             "model": asdict(self.model),
             "nodes": self.nodes, "ranks_per_node": self.ranks_per_node, "world_size": self.world_size,
-            "tp": self.tp, "pp": self.pp, "shards": self.shards,
+            "tp": self.tp, "pp": self.pp, "shards": self.shards, "hpz": self.hpz,
             "precision": self.precision,
             "optimizer": asdict(self.optimizer),
             "accounting": {**asdict(self.accounting), "k": self.accounting.k,
@@ -108,11 +110,12 @@ def _table(est: Estimate) -> list[str]:
             return "-"
         return f"{b / size:.1f}" if size > 1 else str(b)
 
-    timed = est.cluster is not None
-    head = ["configuration", "params", "grads", "master", "optim", "states", "buffers",
-            "activ", "device", "CPU/node"] + (["step s", "tok/s/dev"] if timed else []) + ["fits"]
+    timed, hpz = est.cluster is not None, est.hpz > 1
+    head = ["configuration", "params", "grads", "master", "optim"] + (["hpZ copy"] if hpz else []) + [
+        "states", "buffers", "activ", "device", "CPU/node"] + (["step s", "tok/s/dev"] if timed else []) + ["fits"]
     lines = [[r.label, cell(r.parameters), cell(r.gradients), cell(r.master_weights),
-              cell(r.optimizer_states), cell(r.model_states), cell(r.buffers), cell(r.activations),
+              cell(r.optimizer_states)] + ([cell(r.secondary_parameters)] if hpz else []) + [
+              cell(r.model_states), cell(r.buffers), cell(r.activations),
               cell(r.device_total), cell(r.cpu_per_node) if r.offload != "none" else "-"]
              + ([f"{r.step_time.step_time_s:.3g}", f"{r.step_time.tokens_per_s_per_device:,.0f}"] if timed else [])
              + [_fits_text(r)] for r in est.rows]
@@ -121,8 +124,9 @@ def _table(est: Estimate) -> list[str]:
     def fmt(cols: list[str]) -> str:
         return "  ".join(c.ljust(w) if i in (0, len(cols) - 1) else c.rjust(w)
                          for i, (c, w) in enumerate(zip(cols, widths))).rstrip()
+    copy = " + hpZ copy (the secondary parameters)" if hpz else ""
     legend = (f"{unit} per rank ({unit} = {size:,} bytes); states = params + grads + master + "
-              "optim (optimizer states); device = states + buffers + activ (activations); "
+              f"optim (optimizer states){copy}; device = states + buffers + activ (activations); "
               "CPU/node = offloaded states of all ranks of a node")
     return [legend, fmt(head)] + [fmt(x) for x in lines]
 

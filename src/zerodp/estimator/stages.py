@@ -38,6 +38,8 @@ class Row:
     activations: Optional[int]
     cpu: int
     cpu_per_node: int
+    secondary_parameters: int = 0
+    """hpZ's secondary copy of the parameters (stage 3, ``zero_hpz_partition_size``): 16-bit, 1/k."""
     fits_device: Optional[bool] = None
     fits_cpu: Optional[bool] = None
     step_time: Optional[StepTime] = None
@@ -57,7 +59,8 @@ class Row:
 
     @property
     def model_states(self) -> int:
-        return self.parameters + self.gradients + self.master_weights + self.optimizer_states
+        return (self.parameters + self.gradients + self.master_weights + self.optimizer_states
+                + self.secondary_parameters)
 
     @property
     def buffers(self) -> int:
@@ -83,7 +86,7 @@ class Row:
 
 
 def estimate_row(acc: Accounting, model: ModelInfo, stage: int, offload: str, n: int,
-                 ranks_per_node: int, buffers: Buffers, activations: Optional[int]) -> Row:
+                 ranks_per_node: int, buffers: Buffers, activations: Optional[int], hpz: int = 1) -> Row:
     """Per-rank memory of ``stage`` with ``offload`` ("none", "optimizer", "optimizer+params").
 
     Without offload: parameters sharded at stage 3, gradients from stage 2, master weights and
@@ -92,7 +95,9 @@ def estimate_row(acc: Accounting, model: ModelInfo, stage: int, offload: str, n:
     partition, the weights it updates (the fp32 master, or the parameters without one) and the
     optimizer states (the gradient shard comes to the CPU a tile at a time, through transfer
     buffers of at most ``sub_group_size`` elements, not counted here). Parameter offload (stage
-    3) moves the parameter shard to the CPU too.
+    3) moves the parameter shard to the CPU too. ``hpz`` (stage 3): hpZ's secondary copy of the
+    parameters, sharded over ``hpz`` ranks, in the parameters' dtype, beside the shards (on the CPU
+    with parameter offload), as DeepSpeed keeps it.
     """
     psi, trained = model.params, model.trainable_params
     opt_ranks = n if stage >= 1 else 1
@@ -105,13 +110,14 @@ def estimate_row(acc: Accounting, model: ModelInfo, stage: int, offload: str, n:
         weights = FP32 if acc.master else acc.params  # what the CPU optimizer updates
         cpu = _share(weights + acc.states, trained, opt_ranks)
         master = states = 0
+    secondary = _share(acc.params, psi, hpz) if stage == 3 and hpz > 1 else 0
     if offload == "optimizer+params":
-        cpu += params
-        params = 0
+        cpu += params + secondary
+        params = secondary = 0
     return Row(stage, offload, params, grads, master, states,
                gradient_buckets=buffers.gradient_buckets(stage),
                gathered_parameters=buffers.gathered if stage == 3 else 0,
-               activations=activations, cpu=cpu, cpu_per_node=cpu * ranks_per_node)
+               activations=activations, cpu=cpu, cpu_per_node=cpu * ranks_per_node, secondary_parameters=secondary)
 
 
 def _with_fit(row: Row, device_memory: Optional[int], cpu_memory: Optional[int]) -> Row:

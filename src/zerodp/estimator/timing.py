@@ -20,7 +20,8 @@ What overlaps (``cluster.overlap`` of it is hidden; the first gather and the las
 * stages 0-1: the gradient all-reduce / reduce-scatter of the last micro-batch with its backward;
 * stage 2: each micro-batch's reduce-scatter with its backward;
 * stage 3: each unit's all-gather with the compute of the unit before it (prefetch), forward and
-  backward, and the reduce-scatter with backward;
+  backward, and the reduce-scatter with backward; with hpZ (``hpz`` ranks) only the step's first
+  forward gathers over every data-parallel rank, the other gathers within the hpZ group (a node);
 * stages 1-3 end with the updated parameters' all-gather (stages 1-2) after the optimizer step,
   exposed; tensor parallelism's all-reduces (two per layer forward, two backward) are exposed;
 * optimizer offload: the gradient shard goes to the host during backward, the CPU runs the
@@ -68,6 +69,7 @@ class Job:
     ranks_per_node: int = 1
     precision: str = "bf16"
     reduce_bucket_size: int = 500_000_000
+    hpz: int = 1  # stage 3: hpZ's secondary group size (backward's and later micro-batches' gathers within it)
 
 
 @dataclass(frozen=True)
@@ -226,9 +228,16 @@ def predict(whole: ModelInfo, model: ModelInfo, acc: Accounting, stage: int, off
         first = links.gather(unit, n, links.dp_together)
         # every unit is a collective of its own: its ring steps' latency, twice gathered and once reduced
         units = max(1, -(-psi // (largest_unit or psi)))
-        per_unit = 3 * (units - 1) * (n - 1) * links.link(n, links.dp_together)[1]
-        per_micro = (hide(params_ag + fetch, fwd_t) + hide(params_ag + fetch + grads_rs, bwd_t) + first
-                     + per_unit)
+        lat = (units - 1) * (n - 1) * links.link(n, links.dp_together)[1]
+        per_micro = hide(params_ag + fetch, fwd_t) + hide(params_ag + fetch + grads_rs, bwd_t) + first + 3 * lat
+        if job.hpz > 1:  # hpZ: only the step's first forward gathers over all n; the rest within hpz ranks
+            k, together = job.hpz, min(job.hpz, links.dp_together)
+            sec_ag, sec_first = links.gather(psi * pb, k, together), links.gather(unit, k, together)
+            sec_lat = (units - 1) * (k - 1) * links.link(k, together)[1]
+            over_all = hide(params_ag + fetch, fwd_t) + first + lat  # the first forward's gathers, once a step
+            per_micro = (hide(sec_ag + fetch, fwd_t) + hide(sec_ag + fetch + grads_rs, bwd_t) + sec_first
+                         + 2 * sec_lat + lat)
+            boundary += over_all - (hide(sec_ag + fetch, fwd_t) + sec_first + sec_lat)
 
     # the optimizer step on this rank's shard
     shard = trained / (n if stage >= 1 else 1)

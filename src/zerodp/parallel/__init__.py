@@ -23,7 +23,7 @@ from torch import nn
 from ..core.collectives import Comm, CommCounter
 from ..core.flat import is_dtensor
 from .adapters import base_model, expand_adapters
-from .grid import Grid, GridError, build_grid, grid_from_mesh, grid_from_mpu
+from .grid import Grid, GridError, build_grid, grid_from_mesh, grid_from_mpu, with_secondary
 from .plans import check_heads, localize, plan_for, with_loss_parallel, with_sequence_parallel
 from .tensor import Split, TensorParallelError, TPSlice, apply_plan, model_slices, replaced_parameters, resolve_plan
 
@@ -37,15 +37,10 @@ SPLIT_ATTR = "_zerodp_split"
 
 
 def hybrid_size(config) -> Optional[int]:
-    """The hybrid shard size of a config: ``mics_shard_size`` or ``zero_hpz_partition_size``
-    (DeepSpeed's keys; zerodp gives both MiCS's meaning), or None."""
-    zc = config.zero_optimization
-    sizes = {k: v for k, v in (("mics_shard_size", zc.mics_shard_size),
-                               ("zero_hpz_partition_size", zc.zero_hpz_partition_size)) if v and v > 1}
-    if len(set(sizes.values())) > 1:
-        raise GridError("zero_optimization: mics_shard_size and zero_hpz_partition_size both set, to different "
-                        f"sizes {sizes}; zerodp shards inside groups of one size (give one of them)")
-    return next(iter(sizes.values()), None)
+    """The hybrid shard size of a config (MiCS: ``mics_shard_size``), or None. (``zero_hpz_partition_size``
+    is hpZ, not hybrid sharding: its groups are the grid's ``secondary`` axis.)"""
+    size = config.zero_optimization.mics_shard_size
+    return size if size > 1 else None
 
 
 def _already_split(model: nn.Module) -> bool:
@@ -99,7 +94,7 @@ def grid_for(model: nn.Module, config, *, mpu: Any = None, mesh_param: Any = Non
     elif grid.tp_size > 1 and (missing := [k for k in wanted if not _has(model, k)]):
         raise GridError(f"tensor_parallel.{missing[0]}: zerodp applies it when it splits the model; this model was "
                         f"split before initialize (by its script, an mpu or tp_model_init without the option)")
-    return grid
+    return with_secondary(grid, config.zero_optimization.zero_hpz_partition_size)
 
 
 def tensor_parallelize(model: nn.Module, grid: Grid, partition_config: Optional[dict] = None, *,

@@ -10,10 +10,12 @@ Ranks are laid out with the tensor axis innermost, so a tensor-parallel group is
   parallelism); they see the same batches.
 * ``data``: the data-parallel ranks that hold the same tensor slice and see different batches;
   gradients are averaged over them and ZeRO shards over them.
-* ``shard`` and ``replica``: with hybrid sharding (``zero_hpz_partition_size`` /
-  ``mics_shard_size``) ZeRO shards over groups of ``shard_size`` consecutive data ranks and
-  replicates across them; without it ``shard`` is the whole data axis and ``replica`` is one rank.
-* ``pipe``: pipeline stages (size 1 until pipeline parallelism lands).
+* ``shard`` and ``replica``: with hybrid sharding (MiCS, ``mics_shard_size``) ZeRO shards over
+  groups of ``shard_size`` consecutive data ranks and replicates across them; without it ``shard``
+  is the whole data axis and ``replica`` is one rank.
+* ``secondary``: with hpZ (``zero_hpz_partition_size``) groups of that many consecutive data ranks
+  that share a secondary copy of the parameters (``core/secondary.py``); None without.
+* ``pipe``: pipeline stages (``zerodp.pipe``).
 
 A grid comes from the config's ``tensor_parallel.autotp_size`` (and the hybrid size), from a
 DeepSpeed/Megatron ``mpu`` passed to ``initialize``, or from a ``DeviceMesh`` (``mesh_param``).
@@ -79,6 +81,9 @@ class Grid:
     """All ranks of the grid (the world, or the data-parallel group a script passed)."""
     source: str = "world"
     """Where the layout came from: ``"world"``, ``"config"``, ``"mpu"`` or ``"mesh"``."""
+    secondary: Optional[Axis] = None
+    """hpZ (``zero_hpz_partition_size``): the consecutive data-parallel ranks sharing a secondary copy
+    of the parameters (``core/secondary.py``); None without hpZ."""
     _tp_mesh: Any = field(default=None, repr=False)
 
     @property
@@ -125,6 +130,8 @@ class Grid:
         parts = [f"data {self.data.size}"]
         if self.shard.size != self.data.size:
             parts[0] += f" (shard {self.shard.size} x replica {self.replica.size})"
+        if self.secondary is not None:
+            parts[0] += f" (hpZ groups of {self.secondary.size})"
         if self.tensor.size > 1:
             parts.append(f"tensor {self.tensor.size}")
         if self.pipe.size > 1:
@@ -225,6 +232,29 @@ def _with_hybrid(world: int, me: int, data: Axis, tensor: Axis, pipe: Axis, shar
     shard = new_axis("shard", shard_lists, me)
     replica = new_axis("replica", replica_lists, me)
     return Grid(world, me, data, tensor, pipe, shard, replica, everyone, source)
+
+
+def with_secondary(grid: Grid, size: int) -> Grid:
+    """``grid`` with hpZ's secondary axis (``zero_hpz_partition_size``): groups of ``size``
+    consecutive data-parallel ranks, which share a secondary copy of the parameters (nothing changes
+    for a size of 1). The data-parallel group must be the whole world, with no tensor or pipeline
+    axis."""
+    if size <= 1:
+        return grid
+    if grid.tensor.size > 1 or grid.pipe.size > 1:
+        raise GridError("zero_optimization.zero_hpz_partition_size: hpZ with tensor or pipeline parallelism is not "
+                        "implemented (its groups would have to follow the data axis of each tensor slice and "
+                        "stage); leave it at 1 there")
+    data = grid.data
+    if data.size != grid.world_size:
+        raise GridError("zero_optimization.zero_hpz_partition_size: hpZ splits the data-parallel ranks of the whole "
+                        "world; a process_group= narrower than the world cannot be split")
+    if size > data.size or data.size % size:
+        raise GridError(f"zero_optimization.zero_hpz_partition_size: {size} does not divide the {data.size} "
+                        "data-parallel ranks")
+    lists = [data.ranks[i * size:(i + 1) * size] for i in range(data.size // size)]
+    grid.secondary = new_axis("secondary", lists, grid.rank)
+    return grid
 
 
 def _all_lists(mine: list[int], world: int) -> list[list[int]]:

@@ -118,8 +118,11 @@ def _estimate_add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--virtual-stages", default="1", metavar="V", help="the interleaved 1F1B schedule: V chunks of layers "
         "per pipeline stage (pipeline.schedule Interleaved1F1B, PipelineModule(virtual_stages=V)): a bubble "
         "of (pp-1)/V micro-batches, V times the point-to-point sends (default 1: 1F1B)")
-    add("--hybrid-shard", default=None, metavar="N", help="hybrid sharding: ZeRO shards over groups of N "
-        "data-parallel ranks and replicates across them (mics_shard_size)")
+    add("--hybrid-shard", default=None, metavar="N", help="hybrid sharding (MiCS): ZeRO shards every state over "
+        "groups of N data-parallel ranks and replicates across them (mics_shard_size)")
+    add("--hpz", default=None, metavar="K", help="ZeRO++ hpZ at stage 3 (zero_hpz_partition_size): states over every "
+        "data-parallel rank, plus a 16-bit secondary copy of the parameters over groups of K ranks (a node) that "
+        "backward's and later micro-batches' gathers read")
     add("--device-memory", default=None, help="memory per device, e.g. 80GB or 24GiB; without it "
         "nothing is checked for fit")
     add("--cpu-memory", default=None, help="CPU memory per node for the offload rows, e.g. 512GB "
@@ -182,7 +185,7 @@ def _run_estimate(args: argparse.Namespace) -> int:
             accounting=args.accounting, micro_batch=args.micro_batch, seq_len=args.seq_len,
             checkpointing=args.checkpointing, fused_attention=args.fused_attention, tp=args.tp, pp=args.pp,
             virtual_stages=args.virtual_stages,
-            shard_size=None if args.hybrid_shard is None else args.hybrid_shard, **defaults)
+            shard_size=None if args.hybrid_shard is None else args.hybrid_shard, hpz=args.hpz, **defaults)
     except estimator.EstimateError as e:
         _error(f"--{e.name.replace('_', '-')}: {e.detail}", "estimate")
         return 2

@@ -34,7 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--steps", type=int, default=2, help="optimizer steps run; the last is measured (default 2: the first "
         "creates the optimizer states and records the order stage 3 prefetches in)")
     add("--config", default=None, metavar="JSON_FILE", help="a DeepSpeed-style config to start from (bucket "
-        "sizes, stage3_* keys); the options above override its stage, precision, offload and batch")
+        "sizes, stage3_* keys, zero_hpz_partition_size); the options above override its stage, precision, "
+        "offload and batch")
     add("--json", action="store_true", help="print a JSON document instead of the table")
 
 

@@ -41,6 +41,9 @@ def format_simulation(s: Simulation) -> str:
         on = s.categories.get("model_states_on_compute", 0)
         d["model_states"] = on
         rows = [("model states on the device", "model_states", "model_states"), *ROWS[5:]]
+    if s.categories.get("secondary_parameters_peak") or s.estimated.get("secondary_parameters"):
+        at = next(i for i, r in enumerate(rows) if r[1] == "model_states")
+        rows = [*rows[:at], ("hpZ copy (peak)", "secondary_parameters_peak", "secondary_parameters"), *rows[at:]]
     for label, mine, theirs in rows:
         lines.append(f"{label:<28}{_mib(d[mine]):>14}{_mib(s.estimated.get(theirs)):>14}"
                      f"{_diff(d[mine], s.estimated.get(theirs)):>9}")

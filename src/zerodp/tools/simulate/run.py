@@ -59,7 +59,9 @@ class Simulation:
 
     @property
     def model_states(self) -> int:
-        return sum(self.categories.get(k, 0) for k in MODEL_STATES)
+        """Model states, with hpZ's secondary copy at its peak (the update drops a trained group's)."""
+        copy = self.categories.get("secondary_parameters_peak", 0)
+        return sum(self.categories.get(k, 0) for k in MODEL_STATES) + copy
 
     @property
     def collectives_per_step(self) -> int:
@@ -74,7 +76,7 @@ class Simulation:
         out.update(model_states=self.model_states, collectives_per_step=self.collectives_per_step,
                    bytes_per_step=self.bytes_per_step, units="bytes")
         out.update({k: self.categories.get(k, 0) for k in (*MODEL_STATES, "gradient_buckets_peak",
-                                                            "gathered_parameters_peak")})
+                                                            "gathered_parameters_peak", "secondary_parameters_peak")})
         return out
 
 
@@ -167,8 +169,9 @@ def simulate(model: str, *, world: int, stage: int, rank: int = 0, tp: int = 1, 
     if world % (tp * pp):
         raise EstimateError("tp", f"tensor {tp} x pipeline {pp} does not divide the {world} ranks")
     spec = ModelSpec(model, model_kwargs)
+    hpz = int(((config or {}).get("zero_optimization") or {}).get("zero_hpz_partition_size", 1) or 1)
     est = estimate(model, model_kwargs=model_kwargs, ranks_per_node=world, precision=precision, tp=tp, pp=pp,
-                   micro_batch=micro_batch, seq_len=seq)
+                   micro_batch=micro_batch, seq_len=seq, hpz=hpz if stage == 3 else None)
     row = est.row(stage, offload)
     import zerodp
 
@@ -218,7 +221,7 @@ def simulate(model: str, *, world: int, stage: int, rank: int = 0, tp: int = 1, 
         categories = engine.memory_breakdown()
         stats = engine.comm_stats(by_group=True)
         estimated = {k: getattr(row, k) for k in (*MODEL_STATES, "gradient_buckets", "gathered_parameters",
-                                                   "activations", "cpu")}
+                                                   "activations", "cpu", "secondary_parameters")}
         estimated.update(model_states=row.model_states, device_total=row.device_total)
         notes = list(est.notes)
         p2p = 0
