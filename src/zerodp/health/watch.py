@@ -221,6 +221,7 @@ def guard(kind: str, ranks: list[int]):
         yield
     finally:
         done.set()
+        thread.join(10.0)  # not left inside a store read at exit (``progress.Heartbeat.stop``)
 
 
 def _done_within(work, seconds: float) -> bool:
