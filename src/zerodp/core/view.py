@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional
 
+from .layout import Layout
 from .optim_shard import HostOptimizer
 from .packed import packed_states, restore_packed_states
 
@@ -164,15 +165,20 @@ class CheckpointView:
         return self.dp_rank == 0 and self.tp_rank == 0
 
     @property
+    def files_layout(self) -> "Layout":
+        """How a checkpoint of this engine numbers its files: one per rank of the layout pipeline
+        stages x data ranks x tensor ranks (``core/layout.py``), the grid's own order."""
+        return Layout.of(pipe=self.pipe_size, shard=self.dp_world_size, tensor=self.tp_size)
+
+    @property
     def writer_rank(self) -> int:
-        """Which of the checkpoint's files this rank writes: (pipeline stage x data size + data rank)
-        x tensor size + tensor rank, the grid's own order."""
-        return (self.pipe_rank * self.dp_world_size + self.dp_rank) * self.tp_size + self.tp_rank
+        """Which of the checkpoint's files this rank writes: its rank in :attr:`files_layout`."""
+        return self.files_layout.rank_of({"pipe": self.pipe_rank, "shard": self.dp_rank, "tensor": self.tp_rank})
 
     @property
     def writer_count(self) -> int:
         """How many files a checkpoint of this engine has: pipeline stages x data ranks x tensor ranks."""
-        return self.pipe_size * self.dp_world_size * self.tp_size
+        return self.files_layout.world
 
     # -- counters and batch sizes ----------------------------------------------------------
 

@@ -351,13 +351,12 @@ def _tie_axes(model, tied, grid: Grid) -> list:
     """For every tied weight of this stage, the axis of the stages that hold it (at this rank's
     data and tensor coordinates), or None when one stage holds it all. Every rank makes the groups
     of every tied module of the model, in key order, whether its stage holds one or not."""
-    data, tp = grid.dp_size, grid.tp_size
+    stages = grid.layout.groups(["pipe"])  # each: one data x tensor position's rank in every stage
     axes = {}
     for key in model.tie_keys():
         owners = model.tie_owners(key)
         if len(owners) > 1:
-            lists = [[(s * data + d) * tp + t for s in owners] for d in range(data) for t in range(tp)]
-            axes[key] = new_axis("tie", lists, grid.rank)
+            axes[key] = new_axis("tie", [[g[s] for s in owners] for g in stages], grid.rank)
     return [axes.get(name.split(".", 1)[0]) for name, _ in tied]
 
 

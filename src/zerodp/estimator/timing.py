@@ -44,6 +44,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Optional
 
+from ..core.layout import Layout
 from .accounting import FP32, Accounting
 from .cluster import Cluster
 from .inputs import EstimateError
@@ -125,10 +126,11 @@ class _Links:
     def __init__(self, cluster: Cluster, job: Job) -> None:
         self.c = cluster
         per_node = job.ranks_per_node
-        # ranks are laid out tensor-innermost, then data, then pipeline: a group's ranks on one node
-        self.tp_together = min(job.tp, per_node)
-        self.dp_together = max(1, min(job.dp, per_node // job.tp))
-        self.pp_inside = job.tp * job.dp * job.pp <= per_node
+        # a group's ranks on one node, as the grid lays them out (tensor innermost, then data, then pipeline)
+        layout = Layout.of(pipe=job.pp, shard=job.dp, tensor=job.tp)
+        self.tp_together = layout.together(["tensor"], per_node)
+        self.dp_together = layout.together(["shard"], per_node)
+        self.pp_inside = layout.together(["pipe"], per_node) == job.pp
         self.latency = self.transfer = 0.0  # seconds of every collective costed, by part
 
     def link(self, n: int, together: int) -> tuple[float, float]:

@@ -1,7 +1,8 @@
 """The process grid: where each rank sits among pipeline, data and tensor-parallel ranks.
 
-Ranks are laid out with the tensor axis innermost, so a tensor-parallel group is adjacent ranks
-(one node's fast links), then the data axis, then the pipeline axis outermost::
+Ranks are laid out by a :class:`~zerodp.core.layout.Layout` (``core/layout.py``: the ordered
+named axes and the one rank formula), with the tensor axis innermost, so a tensor-parallel group is
+adjacent ranks (one node's fast links), then the data axis, then the pipeline axis outermost::
 
     global rank = (pipe * data_size + data) * tensor_size + tensor
     data        = replica * shard_size + shard          (hybrid sharding)
@@ -32,6 +33,7 @@ import torch.distributed as dist
 
 from ..core import teardown
 from ..core.collectives import Comm, CommCounter
+from ..core.layout import Layout
 
 #: Names a DeviceMesh dimension may carry, by axis.
 MESH_NAMES = {
@@ -85,6 +87,19 @@ class Grid:
     """hpZ (``zero_hpz_partition_size``): the consecutive data-parallel ranks sharing a secondary copy
     of the parameters (``core/secondary.py``); None without hpZ."""
     _tp_mesh: Any = field(default=None, repr=False)
+
+    @property
+    def layout(self) -> Layout:
+        """The grid's shape as named axes, outermost first (``core/layout.py``): the order the ranks are
+        numbered in when the grid is built from sizes, and checkpoints number their files in."""
+        return Layout.of(pipe=self.pipe.size, replica=self.replica.size, shard=self.shard.size,
+                         tensor=self.tensor.size)
+
+    @property
+    def coords(self) -> dict[str, int]:
+        """This rank's index along each axis of :attr:`layout`."""
+        return {"pipe": self.pipe.rank, "replica": self.replica.rank, "shard": self.shard.rank,
+                "tensor": self.tensor.rank}
 
     @property
     def only_data(self) -> bool:
@@ -198,16 +213,10 @@ def build_grid(tp_size: int = 1, pp_size: int = 1, shard_size: Optional[int] = N
     if tp_size == 1 and pp_size == 1:  # the data axis is the world: the default group, as always
         data = _axis_of("data", None) if world > 1 else _trivial("data", me)
         return _with_hybrid(world, me, data, _trivial("tensor", me), _trivial("pipe", me), shard_size, source)
-
-    def rank(p: int, d: int, t: int) -> int:
-        return (p * dp_size + d) * tp_size + t
-
-    tensor = new_axis("tensor", [[rank(p, d, t) for t in range(tp_size)]
-                                    for p in range(pp_size) for d in range(dp_size)], me)
-    data = new_axis("data", [[rank(p, d, t) for d in range(dp_size)]
-                                for p in range(pp_size) for t in range(tp_size)], me)
-    pipe = new_axis("pipe", [[rank(p, d, t) for p in range(pp_size)]
-                                for d in range(dp_size) for t in range(tp_size)], me)
+    layout = Layout.of(pipe=pp_size, shard=dp_size, tensor=tp_size)
+    tensor = new_axis("tensor", layout.groups(["tensor"]), me)
+    data = new_axis("data", layout.groups(["shard"]), me)
+    pipe = new_axis("pipe", layout.groups(["pipe"]), me)
     return _with_hybrid(world, me, data, tensor, pipe, shard_size, source)
 
 
@@ -224,13 +233,12 @@ def _with_hybrid(world: int, me: int, data: Axis, tensor: Axis, pipe: Axis, shar
                         "narrower than the world cannot be split (pass an mpu or a DeviceMesh instead)")
     if data.size % shard_size:
         raise GridError(f"hybrid shard size {shard_size} does not divide the data-parallel size {data.size}")
-    replicas = data.size // shard_size
-    # every rank must create every group: gather all data groups' rank lists (they tile the world)
+    # every rank must create every group: gather all data groups' rank lists (they tile the world);
+    # each splits as a layout of replicas x shards over its own ranks
     all_data = _all_lists(data.ranks, world)
-    shard_lists = [d[r * shard_size:(r + 1) * shard_size] for d in all_data for r in range(replicas)]
-    replica_lists = [d[s::shard_size] for d in all_data for s in range(shard_size)]
-    shard = new_axis("shard", shard_lists, me)
-    replica = new_axis("replica", replica_lists, me)
+    split = Layout.of(replica=data.size // shard_size, shard=shard_size)
+    shard = new_axis("shard", _within(all_data, split, "shard"), me)
+    replica = new_axis("replica", _within(all_data, split, "replica"), me)
     return Grid(world, me, data, tensor, pipe, shard, replica, everyone, source)
 
 
@@ -252,9 +260,15 @@ def with_secondary(grid: Grid, size: int) -> Grid:
     if size > data.size or data.size % size:
         raise GridError(f"zero_optimization.zero_hpz_partition_size: {size} does not divide the {data.size} "
                         "data-parallel ranks")
-    lists = [data.ranks[i * size:(i + 1) * size] for i in range(data.size // size)]
-    grid.secondary = new_axis("secondary", lists, grid.rank)
+    grid.secondary = new_axis("secondary", _within([data.ranks], Layout.of(replica=data.size // size, shard=size),
+                                                   "shard"), grid.rank)
     return grid
+
+
+def _within(groups: list[list[int]], split: Layout, axis: str) -> list[list[int]]:
+    """The groups along ``axis`` of ``split`` laid over each of ``groups`` (a group's ``i``-th rank
+    is ``split``'s rank ``i``), as global rank lists."""
+    return [[g[i] for i in sub] for g in groups for sub in split.groups([axis])]
 
 
 def _all_lists(mine: list[int], world: int) -> list[list[int]]:

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...core.layout import Layout
 from ...estimator import EstimateError, estimate
 from . import pipeline
 from .build import ModelSpec, build_model, no_initialization
@@ -180,15 +181,18 @@ def simulate(model: str, *, world: int, stage: int, rank: int = 0, tp: int = 1, 
     from ...parallel import build_grid
 
     gc.collect()  # what an earlier simulation in this process left must not count in this one
-    per_stage = world // pp  # a pipeline stage's data x tensor grid: the fake world (pipeline.py)
-    pipe_stage = rank // per_stage
+    # the rank's place in the grid (core/layout.py); its pipeline stage's data x tensor ranks are the fake world
+    layout = Layout.of(pipe=pp, shard=world // (tp * pp), tensor=tp)
+    coords = layout.coords(rank)
+    pipe_stage, per_stage = coords["pipe"], world // pp
+    stage_rank = Layout.of(shard=world // (tp * pp), tensor=tp).rank_of(coords)
     construct, partition = spec.construct, None
     if pp > 1:
         layers = pipeline.decoder_layers(spec, tp)
         bounds = pipeline.stage_bounds(layers, pp)
         construct = lambda: pipeline.stage_module(layers, bounds, pipe_stage, pp)  # noqa: E731
         partition = pipeline.tp_partition
-    _fake_world(per_stage, rank % per_stage)
+    _fake_world(per_stage, stage_rank)
     try:
         dev = devices.default_device()
         accumulation = accumulation or max(pp, int((config or {}).get("gradient_accumulation_steps", 1)))
