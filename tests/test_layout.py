@@ -407,3 +407,41 @@ def test_the_subclass_checker_sees_inherited_private_reads(tmp_path):
         encoding="utf-8")
     modules = module_files(tmp_path, "pkg")
     assert base_private_reads(pkg / "sub.py", modules) == [(6, "self._gas"), (6, "self._deep")]
+
+
+#: torch.distributed's collectives (and the group-wide object and barrier forms)
+COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
+               "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
+               "all_to_all_single", "gather", "gather_object", "scatter", "scatter_object_list", "barrier",
+               "monitored_barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv"}
+#: The files that may call them directly: the module every collective goes through; DeepSpeed's
+#: ``deepspeed.comm``, whose functions are torch's own, passed through by design; and the cluster
+#: probe, which times torch's collectives themselves.
+COLLECTIVE_OWNERS = {"core/collectives.py", "comm.py", "estimator/cluster.py"}
+
+
+def collective_calls(path: Path) -> list[tuple[int, str]]:
+    """``(line, text)`` for each call ``dist.<collective>(...)`` or ``torch.distributed.<collective>(...)``
+    (also ``_dist.``, the alias ``comm.py`` uses)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in COLLECTIVES:
+            owner = ast.unparse(node.func.value)
+            if owner in ("dist", "_dist", "torch.distributed"):
+                found.append((node.lineno, ast.unparse(node.func)))
+    return found
+
+
+def test_every_collective_goes_through_the_collectives_module():
+    """Collectives are explicit and counted in one place (``core/collectives.py``'s ``Comm``): no other
+    module calls ``torch.distributed``'s collectives itself."""
+    found = findings(collective_calls, lambda rel: rel in COLLECTIVE_OWNERS)
+    assert not found, "\n".join(found)
+
+
+def test_the_collective_checker_sees_calls(tmp_path):
+    f = tmp_path / "c.py"
+    f.write_text("import torch.distributed as dist\nimport torch\n"
+                 "def f(t, comm):\n    dist.all_reduce(t)\n    torch.distributed.broadcast(t, 0)\n"
+                 "    comm.all_reduce(t)\n    dist.new_group([0])\n", encoding="utf-8")
+    assert collective_calls(f) == [(4, "dist.all_reduce"), (5, "torch.distributed.broadcast")]

@@ -20,10 +20,10 @@ import threading
 from datetime import timedelta
 from typing import Optional
 
-import torch
 import torch.distributed as dist
 
 from .. import health
+from ..core.collectives import Comm
 from .source import CheckpointError
 
 #: Bytes of each rank's failure message shared with the others.
@@ -50,12 +50,13 @@ class Coordinator:
     def __init__(self, comm, separate: bool = False) -> None:
         self.world_size, self.rank = comm.world_size, comm.rank
         self.global_ranks = list(comm.global_ranks)
-        self.group: Optional[dist.ProcessGroup] = None
+        self.comm: Optional[Comm] = None  # the agreement's collectives (gloo), watched for hangs
         self.store = None
         self._round = 0
         if self.world_size > 1:
             if comm.backend == "gloo" and not separate:
-                self.group = comm.group
+                self.comm = Comm(comm.group, "checkpoint")
+                self.comm.watched = True
             else:
                 self.store = dist.PrefixStore(_store_prefix(tuple(comm.global_ranks)),
                                               dist.distributed_c10d._get_default_store())
@@ -85,17 +86,11 @@ class Coordinator:
             got = self._exchange(("1" if error is not None else "0") + text[:MESSAGE_BYTES])
             return [(r, v[1:]) for r, v in enumerate(got) if v.startswith("1")]
         raw = text.encode("utf-8")[:MESSAGE_BYTES - 1]
-        mine = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8)
-        mine[0] = 1 if error is not None else 0
-        if raw:
-            mine[1:1 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-        out = [torch.empty_like(mine) for _ in range(self.world_size)]
-        health.wait(dist.all_gather(out, mine, group=self.group, async_op=True), "a checkpoint agreement",
-                    self.global_ranks)
+        mine = [1 if error is not None else 0, *raw, *([0] * (MESSAGE_BYTES - 1 - len(raw)))]
         failures = []
-        for r, t in enumerate(out):
-            if t[0].item():
-                msg = bytes(t[1:].tolist()).rstrip(b"\0").decode("utf-8", "replace")
+        for r, got in enumerate(self.comm.all_gather_ints(mine, what="a checkpoint agreement")):
+            if got[0]:
+                msg = bytes(got[1:]).rstrip(b"\0").decode("utf-8", "replace")
                 failures.append((r, msg))
         return failures
 
@@ -105,8 +100,4 @@ class Coordinator:
             return [value]
         if self.store is not None:
             return [int(v) for v in self._exchange(str(int(value)))]
-        mine = torch.tensor([value], dtype=torch.int64)
-        out = [torch.empty_like(mine) for _ in range(self.world_size)]
-        health.wait(dist.all_gather(out, mine, group=self.group, async_op=True), "a checkpoint agreement",
-                    self.global_ranks)
-        return [int(t.item()) for t in out]
+        return [got[0] for got in self.comm.all_gather_ints([int(value)], what="a checkpoint agreement")]

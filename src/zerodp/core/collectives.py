@@ -458,11 +458,12 @@ class Comm:
         handle = self._handle(works, then, f"all_gather of {what}" if what else "all_gather")
         return self._finish(self._lending(copies, handle), async_op)
 
-    def all_gather_ints(self, values: list[int], async_op: bool = False):
+    def all_gather_ints(self, values: list[int], async_op: bool = False, what: str = ""):
         """Every rank's short list of ints (same length on every rank), in rank order;
         counted as control traffic. The ranks' values land in one tensor, read back to the host
         at once (on NCCL one device-to-host copy, not one per rank). With ``async_op`` the
-        all-gather stays in flight and a ``PendingInts`` is returned: its ``result()`` waits."""
+        all-gather stays in flight and a ``PendingInts`` is returned: its ``result()`` waits.
+        ``what`` names the wait for the hang detection (default: the group's all-gather of ints)."""
         if self.world_size == 1:
             pending = PendingInts(None, None, values=[list(values)])
         else:
@@ -471,7 +472,7 @@ class Comm:
             out = torch.empty(self.world_size, mine.numel(), dtype=torch.int64, device=device)
             self.counter.add("control", mine.numel() * 8 * (self.world_size - 1), self.label)
             work = dist.all_gather(list(out.unbind(0)), mine, group=self.group, async_op=True)
-            kind = f"an all_gather of ints on the {self.label} group"
+            kind = what or f"an all_gather of ints on the {self.label} group"
             pending = PendingInts(work, out, mine,
                                   watched=(kind, self.global_ranks) if self.watched else None)
         return pending if async_op else pending.result()

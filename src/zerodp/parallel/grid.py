@@ -276,14 +276,7 @@ def _all_lists(mine: list[int], world: int) -> list[list[int]]:
     first rank."""
     if world == 1:
         return [mine]
-    import torch
-
-    from ..core.device import default_device
-    device = default_device() if dist.get_backend() == "nccl" else None
-    t = torch.tensor(mine, dtype=torch.int64, device=device)
-    out = [torch.empty_like(t) for _ in range(world)]
-    dist.all_gather(out, t)
-    seen = {tuple(o.tolist()) for o in out}
+    seen = {tuple(o) for o in Comm(None, "grid").all_gather_ints(mine)}
     return [list(s) for s in sorted(seen, key=lambda s: s[0])]
 
 

@@ -48,9 +48,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from ..core.collectives import Comm
 from ..core.flat import is_dtensor
 
 
@@ -367,7 +367,7 @@ def _shard_param(module: nn.Module, pname: str, dim: int, blocks: int, mesh) -> 
     size, rank = mesh.size(), mesh.get_local_rank()
     full = p.detach().contiguous()
     if size > 1:  # every rank cuts its slice from rank 0's values
-        dist.broadcast(full, src=dist.get_global_rank(mesh.get_group(), 0), group=mesh.get_group())
+        Comm(mesh.get_group(), "tensor").broadcast(full, src_rank=0)
     tp = TPSlice(dim, size, rank, tuple(full.shape), blocks)
     local = tp.take(full).contiguous()
     dt = DTensor.from_local(local, mesh, [Shard(dim)], run_check=False)
@@ -382,7 +382,7 @@ def _replicate_param(module: nn.Module, pname: str, mesh) -> None:
     p = getattr(module, pname)
     full = p.detach().contiguous()
     if mesh.size() > 1:
-        dist.broadcast(full, src=dist.get_global_rank(mesh.get_group(), 0), group=mesh.get_group())
+        Comm(mesh.get_group(), "tensor").broadcast(full, src_rank=0)
     _replace(module, pname, p, nn.Parameter(DTensor.from_local(full, mesh, [Replicate()], run_check=False),
                                             requires_grad=p.requires_grad))
 
@@ -440,14 +440,14 @@ def apply_plan(model: nn.Module, plan: dict[str, Split], mesh) -> dict[str, Spli
     tied = _tied_names(model)
     parallelize_module(model, mesh, {name: _style(split) for name, split in resolved.items()})
     _retie(model, tied)
-    group, src = mesh.get_group(), dist.get_global_rank(mesh.get_group(), 0)
-    with torch.no_grad():
+    comm = Comm(mesh.get_group(), "tensor")
+    with torch.no_grad():  # what stays whole: tensor rank 0's values
         for p in model.parameters():
             if not is_dtensor(p):
-                dist.broadcast(p.data, src=src, group=group)
+                comm.broadcast(p.data, src_rank=0)
         for b in model.buffers():
             if not is_dtensor(b):
-                dist.broadcast(b, src=src, group=group)
+                comm.broadcast(b, src_rank=0)
     return resolved
 
 

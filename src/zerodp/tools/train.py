@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from .. import initialize
 from ..config import ConfigError
-from ..core.collectives import all_gather_numbers
+from ..core.collectives import Comm, all_gather_numbers
 from ..core.device import init_distributed, synchronize
 from ..examples.gpt import Block, ByteCorpus, build_gpt
 from .memory_check import compare_with_engine
@@ -109,7 +109,7 @@ def _mean_over_ranks(value: float, device: torch.device, world: int) -> float:
     if world == 1:
         return value
     t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
+    Comm(None, "train").all_reduce_sum(t)
     return t.item() / world
 
 
