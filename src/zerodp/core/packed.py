@@ -97,12 +97,20 @@ def restore_packed_states(module: nn.Module, tensors: dict[str, torch.Tensor]) -
     return done
 
 
-def held_whole_by_bitsandbytes(module: nn.Module) -> list[tuple[str, int]]:
-    """8-bit weights (LLM.int8, bitsandbytes' ``Int8Params``) with their bytes: bitsandbytes keeps
-    each one whole beside the parameter (``weight.CB``, then the layer's ``state.CB``) and computes
-    from that copy, so training is exact at any stage but stage 3 cannot shard them."""
-    return [(n, p.numel() * p.element_size()) for n, p in module.named_parameters()
-            if type(p).__name__ == "Int8Params" and getattr(p, "CB", None) is not None]
+def held_whole_by_bitsandbytes(module: nn.Module) -> Optional[str]:
+    """What stage 3 cannot shard of ``module``'s 8-bit weights (LLM.int8, bitsandbytes' ``Int8Params``),
+    said for the user, or None without such weights: bitsandbytes keeps each one whole beside the
+    parameter (``weight.CB``, then the layer's ``state.CB``) and computes from that copy, so training
+    is exact at any stage but every rank holds them whole."""
+    whole = [(n, p.numel() * p.element_size()) for n, p in module.named_parameters()
+             if type(p).__name__ == "Int8Params" and getattr(p, "CB", None) is not None]
+    if not whole:
+        return None
+    return (f"stage 3: bitsandbytes keeps each of the {len(whole)} 8-bit weights of this model ({whole[0][0]}, ...) "
+            f"whole on every rank (weight.CB, state.CB: {sum(b for _, b in whole) / 2**20:.3g} MiB) and computes "
+            "from that copy, so stage 3 shards only the engine's own copy of them; training is exact. For a base "
+            "that stage 3 shards, load it in 4 bits: BitsAndBytesConfig(load_in_4bit=True, "
+            "bnb_4bit_quant_storage=<the model's dtype>)")
 
 
 def undo_cpu_repacking(module: nn.Module, gathered: Callable[[list], Any]) -> list[str]:

@@ -262,14 +262,9 @@ class ZeroEngine(EngineAPI, nn.Module):
         for g in self.flat_groups:
             if not g.shards_parameters:
                 g.shard_parameters()
-        whole = held_whole_by_bitsandbytes(self.base_module)
-        if whole and self.comm.rank == 0:
-            logger.warning(
-                "stage 3: bitsandbytes keeps each of the %d 8-bit weights of this model (%s, ...) whole on every "
-                "rank (weight.CB, state.CB: %.3g MiB) and computes from that copy, so stage 3 shards only the "
-                "engine's own copy of them; training is exact. For a base that stage 3 shards, load it in 4 bits: "
-                "BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_storage=<the model's dtype>)",
-                len(whole), whole[0][0], sum(b for _, b in whole) / 2**20)
+        whole = held_whole_by_bitsandbytes(self.base_module)  # 8-bit bases: said, not sharded (core/packed.py)
+        if whole is not None and self.comm.rank == 0:
+            logger.warning(whole)
         zc = self.zero_config
         hpz = self.grid.secondary  # hpZ's secondary copies, gathered within these ranks (core/secondary.py)
         self.sharded = ShardedParams(self.base_module, unit_plan, self.flat_groups, self.comm, zc,
