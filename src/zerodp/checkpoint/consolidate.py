@@ -244,7 +244,7 @@ def _stage_16bit_state_dict(view: CheckpointView, first: bool, exclude_frozen_pa
             continue
         gathered_here = g.shards_parameters and not g.gathered
         if gathered_here:
-            view.comm.gather_shards(g)
+            view.shard_axes.gather(g)
         for i, (slot, p) in enumerate(zip(g.slots, g.params)):
             value = g.view(g.full, i).detach()
             if slot.tp is not None:  # every tensor rank's slice, put in its place

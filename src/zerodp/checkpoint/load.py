@@ -445,7 +445,7 @@ def load_into_engine(view: CheckpointView, src: Source, *, strict: bool = True,
                 if with_optimizer and g.optim is not None and g.optim.page is not None:  # states to the file
                     view.offload.adopt_states(g, view.optimizer)
             if not g.shards_parameters and g.partitions > 1:
-                view.comm.all_gather(g.full)
+                view.shard_axes.of(g).all_gather(g.full)
         params = dict(view.module.named_parameters())
         for name, value in plan.loose.items():
             params[name].copy_(value.view_as(params[name]))

@@ -14,6 +14,7 @@ from torch import nn
 from ..config import Config, ConfigError
 from ..optim import build_scheduler, check_elementwise
 from ..optim.build import optimizer_from_config
+from .axes import DATA, ShardAxes
 from .collectives import Comm
 from .flat import FlatGroup, local_tensor
 from .gather import external_users
@@ -63,20 +64,23 @@ def user_param_groups(module: nn.Module, model_parameters, optimizer,
 
 
 def build_flat_groups(module: nn.Module, groups: list[dict], unit_of: dict[int, int], bucket_numel: int,
-                      partitions: int, rank: int, device: torch.device,
-                      tp_of: Optional[dict] = None, separate: Optional[dict[int, str]] = None) -> list[FlatGroup]:
+                      axes: ShardAxes, sharding: bool, device: torch.device,
+                      tp_of: Optional[dict] = None, separate: Optional[dict[int, str]] = None,
+                      axis_of: Optional[dict[int, str]] = None) -> list[FlatGroup]:
     """Cut parameters into flat groups of at most ``reduce_bucket_size`` elements.
 
     Parameters are taken in reverse registration order (roughly the order backward
     produces their gradients), one open bucket per (param group, dtype, trained or not,
-    stage-3 unit, split over the tensor-parallel ranks or not), and a group of its own for each
+    stage-3 unit, split over the tensor-parallel ranks or not, shard axis), and a group of its own for each
     parameter in ``separate`` (id -> label: a weight tied across pipeline stages, laid out the
     same on every stage that holds it); sizes count this rank's local tensors;
     groups are numbered by the position of their last parameter, so that group order
-    is the order in which they are expected to become ready.
+    is the order in which they are expected to become ready. Each group shards over the axis
+    ``axis_of`` names for its parameters (id -> axis name; ``DATA`` for those it does not name)
+    when ``sharding`` (stages 1-3), over one partition otherwise.
     """
     group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
-    tp_of, separate = tp_of or {}, separate or {}
+    tp_of, separate, axis_of = tp_of or {}, separate or {}, axis_of or {}
     named = list(module.named_parameters())
     left_out = [n for n, p in named if p.requires_grad and id(p) not in group_of]
     if left_out:
@@ -90,7 +94,7 @@ def build_flat_groups(module: nn.Module, groups: list[dict], unit_of: dict[int, 
     order = [(n, p) for n, p in reversed(named) if id(p) in group_of or not p.requires_grad]
     for pos, (name, p) in enumerate(order):
         key = (group_of.get(id(p), -1), p.dtype, p.requires_grad and id(p) in group_of,
-               unit_of.get(id(p), 0), id(p) in tp_of, separate.get(id(p)))
+               unit_of.get(id(p), 0), id(p) in tp_of, separate.get(id(p)), axis_of.get(id(p), DATA))
         numel = full_shape(local_tensor(p)).numel()
         bucket = open_buckets.setdefault(key, [])
         if bucket and open_sizes[key] + numel > cap:
@@ -103,8 +107,12 @@ def build_flat_groups(module: nn.Module, groups: list[dict], unit_of: dict[int, 
         if bucket:
             closed.append((last_pos[bucket[-1][0]], key, bucket))
     closed.sort(key=lambda c: c[0])
+    def placed(axis: str) -> dict:
+        comm = axes.comm(axis)
+        return dict(axis=axis, partitions=comm.world_size, rank=comm.rank) if sharding \
+            else dict(axis=axis, partitions=1, rank=0)
     return [FlatGroup(i, bucket, param_group=max(key[0], 0), trainable=key[2], unit=key[3],
-                      partitions=partitions, rank=rank, device=device, tp_of=tp_of)
+                      device=device, tp_of=tp_of, **placed(key[6]))
             for i, (_, key, bucket) in enumerate(closed)]
 
 

@@ -413,20 +413,6 @@ class Comm:
                                      group=self.group, async_op=True)]
         return self._finish(self._lending(borrowed, self._handle(works, then, "reduce_scatter")), async_op)
 
-    def gather_shards(self, group: Any, async_op: bool = False, what: str = "") -> None:
-        """Stage 3: all-gather a flat group's shards into its full buffer (``FlatGroup.open_for_gather``
-        and ``gathering``); with ``async_op`` (a prefetch) it goes on until ``group.wait_gathered()``.
-        A group already gathered is left as it is (waited for, unless ``async_op``). A group with a
-        valid hpZ copy (``secondary.py``) gathers over that copy's ranks instead. ``what`` names
-        the unit, for the hang detection's messages."""
-        if group.gathered:
-            if not async_op:
-                group.wait_gathered()
-            return
-        secondary = group.secondary  # hpZ: within the few ranks that share a valid secondary copy
-        comm = secondary.comm if secondary is not None and secondary.valid else self
-        group.gathering(comm.all_gather(group.open_for_gather(), async_op=async_op, what=what))
-
     def all_gather(self, full: torch.Tensor, async_op: bool = False,
                    then: Optional[Callable[[], None]] = None, what: str = "") -> Handle:
         """Fill every chunk of ``full`` from the rank that owns it, in place.

@@ -128,7 +128,8 @@ class FlatGroup:
 
     def __init__(self, index: int, named_params: list[tuple[str, nn.Parameter]], *,
                  param_group: int, trainable: bool, partitions: int,
-                 unit: int = 0, rank: int, device: torch.device, tp_of: Optional[dict] = None) -> None:
+                 unit: int = 0, rank: int, device: torch.device, tp_of: Optional[dict] = None,
+                 axis: str = "data") -> None:
         if not named_params:
             raise ValueError("a flat group needs at least one parameter")
         dtypes = {p.dtype for _, p in named_params}
@@ -147,6 +148,7 @@ class FlatGroup:
         self.unit = unit
         self.device = device
         self._empty = torch.empty(0, dtype=self.dtype, device=device)  # the data of released parameters
+        self.axis = axis  # the grid axis it shards and reduces over (``axes.py``): partitions are its ranks
         self.partitions, self.rank = partitions, rank
 
         self.slots: list[Slot] = []
@@ -346,7 +348,7 @@ class FlatGroup:
 
     def open_for_gather(self) -> torch.Tensor:
         """Re-allocate the full buffer, with this rank's shard in its place, and return it for the
-        all-gather that fills the rest (``Comm.gather_shards`` issues it and hands its work to
+        all-gather that fills the rest (``ShardAxes.gather`` issues it and hands its work to
         :meth:`gathering`); with a valid hpZ copy, this rank's part of that copy instead, for the
         all-gather within its few ranks."""
         self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())

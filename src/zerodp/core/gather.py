@@ -32,15 +32,15 @@ from .leaves import enclosing_leaf_candidate, is_leaf
 from .param_api import GatheredParameters, external_users, register_external_parameter, register_params  # noqa: F401
 
 if TYPE_CHECKING:
-    from .collectives import Comm
+    from .axes import ShardAxes
 
 
 class Unit:
     """One module's flat groups, gathered and released together."""
 
     def __init__(self, index: int, name: str, module: nn.Module, groups: list[FlatGroup],
-                 comm: "Comm") -> None:
-        self.index, self.name, self.module, self.groups, self.comm = index, name, module, groups, comm
+                 axes: "ShardAxes") -> None:
+        self.index, self.name, self.module, self.groups, self.axes = index, name, module, groups, axes
         self.pending_backward = 0  # forward calls whose backward has not gone through yet
         self.in_backward = False   # gathered for backward, until released after it
         self.pins = 0              # forwards of modules using this unit's parameters externally
@@ -60,7 +60,7 @@ class Unit:
 
     def gather(self, async_op: bool = False) -> None:
         for g in self.groups:
-            self.comm.gather_shards(g, async_op=async_op, what=f"unit '{self.name or '(root)'}'")
+            self.axes.gather(g, async_op=async_op, what=f"unit '{self.name or '(root)'}'")
 
     def pin(self) -> None:
         """Keep the unit gathered until a matching unpin: a module using its parameters externally
@@ -116,7 +116,7 @@ class Prefetcher:
         self.peak_secondary_bytes = 0  # hpZ's secondary copies (core/secondary.py), the most held at once
         self.gather_wait_s = 0.0  # time spent waiting for units to arrive (exposed gathers)
         self.suspended = False  # every unit is held gathered (``ZeroEngine.parameters_held``): nothing to do
-        self.agreement = UnitAgreement(units[0].comm, self._label, self._leaf_hint) if units else None
+        self.agreement = UnitAgreement(units[0].axes.comm(), self._label, self._leaf_hint) if units else None
         self._prefetched_at: dict[int, int] = {}  # unit index -> announcements made when its prefetch began
 
     def _label(self, index: int) -> str:

@@ -20,6 +20,7 @@ from typing import Sequence
 
 import torch
 
+from .axes import ShardAxes
 from .collectives import Comm
 from .flat import FlatGroup
 
@@ -47,17 +48,19 @@ def squared_l2(t: torch.Tensor) -> torch.Tensor:
 
 
 def global_norm_and_usage(grads: Sequence[torch.Tensor], groups: Sequence[FlatGroup], usage: list[list[bool]],
-                          grid, *, whole_on_every_rank: bool, comm: Comm, data_comm: Comm, grid_comm: Comm,
+                          grid, *, whole_on_every_rank: bool, axes: ShardAxes, data_comm: Comm, grid_comm: Comm,
                           device: torch.device) -> tuple[float, list[list[bool]]]:
     """The L2 norm of every rank's ``grads`` (one per group of ``groups``) and, per group and
-    parameter, whether any rank of the stage used it. ``whole_on_every_rank``: every rank of the
-    shard group holds the whole gradient (stage 0), so rank 0 of it counts it; ``comm`` is the
-    shard group, ``data_comm`` the stage's data-parallel ranks, ``grid_comm`` all ranks."""
-    holder = (not whole_on_every_rank or comm.rank == 0) and grid.replica.rank == 0
+    parameter, whether any rank of the stage used it. ``whole_on_every_rank``: every rank of a
+    group's shard axis holds the whole gradient (stage 0), so rank 0 of the axis counts it;
+    ``axes`` are the groups' shard axes (``axes.py``), ``data_comm`` the stage's data-parallel
+    ranks, ``grid_comm`` all ranks."""
+    comm = axes.comm()
     local = torch.zeros((), dtype=torch.float64, device=device)
-    if holder:
+    if grid.replica.rank == 0:
         for g, grad in zip(groups, grads):
-            if (g.tp_split or grid.tensor.rank == 0) and g.counted_here:
+            holder = not whole_on_every_rank or axes.of(g).rank == 0
+            if holder and (g.tp_split or grid.tensor.rank == 0) and g.counted_here:
                 local += squared_l2(grad)
     flags = [float(u) for used in usage for u in used]
     vec = torch.cat([local.reshape(1), torch.tensor(flags, dtype=torch.float64, device=device)])

@@ -62,10 +62,9 @@ class ParamAccess:
         """The optimizer over this rank's pieces (None for an engine without one)."""
         return self._engine.optimizer
 
-    @property
-    def comm(self) -> "Comm":
-        """The group the flat groups are sharded over."""
-        return self._engine.comm
+    def comm_of(self, g: FlatGroup) -> "Comm":
+        """The ranks flat group ``g`` is sharded over (its axis, ``axes.py``)."""
+        return self._engine.shard_axes.of(g)
 
     @property
     def replica_comm(self) -> "Comm":
@@ -142,7 +141,7 @@ def _full(f: _Found, part: Optional[torch.Tensor], flags: tuple[float, ...] = ()
     for k, flag in enumerate(flags):
         out[s.numel + k] = flag
     if f.g.partitions > 1:
-        f.access.comm.all_reduce_sum(out)
+        f.access.comm_of(f.g).all_reduce_sum(out)
     return out[:s.numel].view(s.shape), out[s.numel:].tolist()
 
 

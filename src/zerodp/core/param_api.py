@@ -18,7 +18,7 @@ from .init_shards import PartitionNumel, ZeroParamStatus, gathered, init_shard
 
 if TYPE_CHECKING:
     from .agree import UnitAgreement
-    from .collectives import Comm
+    from .axes import ShardAxes
 
 
 # -- parameters used outside their unit ----------------------------------------------------------
@@ -49,7 +49,7 @@ def external_users(model: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]
 _GROUP_OF: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
 
 
-def register_params(groups: Iterable[FlatGroup], comm: "Comm", sharded: bool,
+def register_params(groups: Iterable[FlatGroup], axes: "ShardAxes", sharded: bool,
                     agreement: Optional["UnitAgreement"] = None) -> None:
     """Remember which flat group holds each parameter (for ``GatheredParameters``); give
     sharded ones DeepSpeed's ``ds_*`` attributes (``ds_status`` kept by the group).
@@ -60,7 +60,7 @@ def register_params(groups: Iterable[FlatGroup], comm: "Comm", sharded: bool,
         for piece in g.pieces:
             kept[piece.slot] += piece.shard_hi - piece.shard_lo
         for slot, p, mine in zip(g.slots, g.params, kept):
-            _GROUP_OF[p] = (g, comm, sharded, agreement)
+            _GROUP_OF[p] = (g, axes, sharded, agreement)
             if sharded:  # DeepSpeed's attributes of a ZeRO-3 parameter (TRL, transformers, Lightning read them)
                 p.ds_shape, p.ds_numel = slot.shape, slot.numel
                 p.partition_numel = PartitionNumel(mine)
@@ -116,20 +116,20 @@ def _gathered_in_engines(params: list, modifier_rank: Optional[int]):
     for agreement in {id(e[3]): e[3] for e in needing if e[3] is not None}.values():
         agreement.meet(GATHERED_PARAMETERS)
     gathered_here = [g for g, _, _, _ in needing if not g.gathered]
-    for g, comm, _, _ in needing:
-        comm.gather_shards(g)  # or, for a prefetch in flight, wait for it
+    for g, axes, _, _ in needing:
+        axes.gather(g)  # or, for a prefetch in flight, wait for it
     held = [g for g, _, sharded, _ in entries if sharded]
     for g in held:  # released when the context ends, not by a forward run inside it
         g.holds += 1
     try:
         yield
     finally:
-        for g, comm, sharded, _ in entries:
+        for g, axes, sharded, _ in entries:
             if g.gathered:  # data assigned to a parameter inside (``p.data = t``) is kept like an edit in place
                 g.keep_assigned_data()
             if modifier_rank is not None:
                 with torch.no_grad():
-                    comm.broadcast(g.full, src_rank=modifier_rank)
+                    axes.of(g).broadcast(g.full, src_rank=modifier_rank)
                     if sharded:
                         with g.swapped_in():
                             g.shard.copy_(g.shard_of(g.full))

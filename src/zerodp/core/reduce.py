@@ -25,9 +25,10 @@ What it does per stage comes from the ``StagePolicy`` (``stages.py``):
   so ranks whose unit got no gradient for some parameter still issue the same collectives.
 
 Groups are launched in group order, the same on every rank, asynchronously when
-``overlap_comm`` is on. The reducer is given its ``Comm`` (process group) explicitly, so
-reductions over groups narrower than the world use the same code. With hybrid sharding it is
-also given the replica group: the shard group's reduced gradients are summed across the
+``overlap_comm`` is on. Each group is reduced over its own shard axis (``FlatGroup.axis``,
+looked up in the ``ShardAxes`` the reducer is given, ``axes.py``), so groups sharded over
+different ranks use the same code. With hybrid sharding it is also given the replica group of
+the data axis: the shard group's reduced gradients are summed across the
 replicas once per optimizer step (``sum_over_replicas``), not in every micro-batch.
 """
 from __future__ import annotations
@@ -37,6 +38,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
+from .axes import DATA, ShardAxes
 from .collectives import Comm, Handle
 from .flat import FlatGroup, grad_like, grad_local, local_tensor
 from .precision import PrecisionPolicy
@@ -48,24 +50,23 @@ MAX_BUCKETS_IN_FLIGHT = 2
 
 
 class GradReducer:
-    """The gradient reduction of one engine's trainable flat groups over one process group.
+    """The gradient reduction of one engine's trainable flat groups, each over its shard axis.
 
     ``groups`` are the trainable flat groups, indexed by ``t`` in ``on_grad``; ``reduce_scatter``
     is ``zero_optimization.reduce_scatter`` (False: all-reduce at every stage) and
     ``overlap_comm`` whether collectives run asynchronously while backward goes on.
     """
 
-    def __init__(self, comm: Comm, groups: Sequence[FlatGroup], policy: StagePolicy,
+    def __init__(self, axes: ShardAxes, groups: Sequence[FlatGroup], policy: StagePolicy,
                  precision: PrecisionPolicy, *, reduce_scatter: bool, overlap_comm: bool,
                  replicas: Optional[Comm] = None) -> None:
-        self.comm = comm
+        self.axes = axes
         self.replicas = replicas
         self.groups = list(groups)
         self.policy = policy
         self.precision = precision
         self.overlap_comm = overlap_comm
-        self._collective = (comm.all_reduce_sum if policy.reduction == "all_reduce" or not reduce_scatter
-                            else comm.reduce_scatter_sum)
+        self._scatters = policy.reduction != "all_reduce" and reduce_scatter  # False: all-reduce
         self.peak_bucket_bytes = 0
         """The most bytes of stage 2-3 gradient buckets alive at once so far."""
         self._reducing = False
@@ -144,7 +145,7 @@ class GradReducer:
         if self.replicas is None or self.replicas.world_size == 1:
             return
         handles = [self.replicas.all_reduce_sum(g.grad_shard, async_op=True)
-                   for g in self.groups if g.grad_shard is not None]
+                   for g in self.groups if g.grad_shard is not None and g.axis == DATA]
         for h in handles:
             h.wait()
 
@@ -208,7 +209,8 @@ class GradReducer:
     def _launch_reduction(self, t: int) -> None:
         g = self.groups[t]
         buf = self._grad_buffer(t)
-        collective = self._collective
+        comm = self.axes.of(g)
+        collective = comm.reduce_scatter_sum if self._scatters else comm.all_reduce_sum
         if self.policy.full_gradient_buffer:  # stages 0-1: the full buffer stays, reduced in place
             comm_dtype = self.precision.comm_dtype(buf.dtype)
             if comm_dtype == buf.dtype:
@@ -221,7 +223,7 @@ class GradReducer:
 
         # stages 2-3: the step's first reduction of a group lands in its gradient shard; a later
         # one (accumulation) is added into it from this rank's part of the bucket; then the bucket is freed
-        out = g.claim_grad_shard(buf.dtype) if collective == self.comm.reduce_scatter_sum else None
+        out = g.claim_grad_shard(buf.dtype) if self._scatters else None
 
         def then(g=g, buf=buf, t=t, out=out):
             if out is None:

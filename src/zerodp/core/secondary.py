@@ -13,7 +13,7 @@ traffic over the whole data-parallel group: one gather per step instead of two o
 
 A :class:`SecondaryCopy` belongs to one flat group (``FlatGroup.secondary``): the group asks it to
 keep its part after a gather over all ranks and to fill the full buffer before a gather within the
-k ranks; ``Comm.gather_shards`` sends a group whose copy is there over the copy's own ``comm``.
+k ranks; ``ShardAxes.gather`` (``axes.py``) sends a group whose copy is there over the copy's own ``comm``.
 """
 from __future__ import annotations
 

@@ -13,8 +13,9 @@ methods below, as it talks to the gradient reducer (``reduce.py``) through its o
 * the resets: :meth:`backward_ended` (autograd finished a backward: release every unit),
   :meth:`release_all` (``empty_partition_cache``; a checkpoint load), :meth:`held` (every unit
   gathered for a whole pipeline step);
-* what others read: ``units`` (for tests and tools), ``comm`` (the collectives of its units, for
-  the stage-3 reductions) and its ``scratch``, ``agreement``, ``peak_gathered_bytes``,
+* what others read: ``units`` (for tests and tools), ``axes`` (the collectives of its units'
+  shard axes, for the stage-3 reductions), ``comm`` (the data axis' of them) and its ``scratch``,
+  ``agreement``, ``peak_gathered_bytes``,
   ``gather_wait_s``, :meth:`unit_sizes`, :meth:`invalidate` and ``recorded`` (DeepSpeed's
   ``param_coordinator`` that TRL resets after generation).
 """
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     import torch
 
     from ..config import ZeroConfig
+    from .axes import ShardAxes
     from .collectives import Comm
     from .flat import FlatGroup
 
@@ -51,28 +53,29 @@ __all__ = ["ShardedParams"]
 
 class ShardedParams:
     """The units of a stage-3 model (``unit_plan``: ``[(name, module)]``, the root first) over
-    ``groups`` (flat groups already sharded), gathered through ``comm``; ``on_unit_done(unit)`` is
+    ``groups`` (flat groups already sharded), each gathered over its axis of ``axes``; ``on_unit_done(unit)`` is
     called once backward has gone through a unit (after :meth:`unit_done`).
 
     ``secondary``: with hpZ, the collectives of the few ranks that share each group's secondary copy
     (``secondary.py``).
 
-    ``comm`` is the group's collectives borrowing from the object's own ``scratch``: one buffer,
+    ``axes`` are the shard axes' collectives borrowing from the object's own ``scratch``: one buffer,
     sized to the largest unit, for gloo's all-to-all forms (an all-gather's copies of this
-    rank's shard, a reduce-scatter's received chunks). The units' all-gathers and, given this
-    ``comm``, the engine's stage-3 reductions take turns with it, so a rank holds one such
+    rank's shard, a reduce-scatter's received chunks). The units' all-gathers and, given these
+    ``axes``, the engine's stage-3 reductions take turns with it, so a rank holds one such
     buffer, not one per operation in flight (each one overlaps a unit's computation still)."""
 
-    def __init__(self, model: nn.Module, unit_plan: list, groups: "list[FlatGroup]", comm: "Comm",
+    def __init__(self, model: nn.Module, unit_plan: list, groups: "list[FlatGroup]", axes: "ShardAxes",
                  zero_config: "ZeroConfig", on_unit_done: Callable[[Unit], None],
                  secondary: Optional["Comm"] = None) -> None:
         self.scratch = ScratchPool(capacity=1)
-        self.comm = comm.using(self.scratch)
+        self.axes = axes.using(self.scratch)
+        self.comm = self.axes.comm()  # the data axis: the ranks' agreement on the units they run
         if secondary is not None:  # hpZ: each group's secondary copy, gathered within these ranks
             within = secondary.using(self.scratch)
             for g in groups:
                 g.secondary = SecondaryCopy(within, g.padded_numel, pin=True)
-        self.units = [Unit(u, name, mod, [g for g in groups if g.unit == u], self.comm)
+        self.units = [Unit(u, name, mod, [g for g in groups if g.unit == u], self.axes)
                       for u, (name, mod) in enumerate(unit_plan)]
         mark_leaf_parameters(model)
         zc = zero_config

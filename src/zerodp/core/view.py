@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from .axes import ShardAxes
     from .collectives import Comm
     from .flat import FlatGroup
     from .precision import LossScaler, PrecisionPolicy
@@ -118,6 +119,11 @@ class CheckpointView:
     def dp_world_size(self) -> int:
         """The number of ranks in the data-parallel group."""
         return self._engine.dp_world_size
+
+    @property
+    def shard_axes(self) -> "ShardAxes":
+        """The collectives of the axes the flat groups shard over (each group's ``axis``, ``axes.py``)."""
+        return self._engine.shard_axes
 
     # -- the ranks that write a checkpoint -------------------------------------------------
 

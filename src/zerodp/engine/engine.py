@@ -57,6 +57,7 @@ from ..core.assemble import (
     build_optimizer,
     user_param_groups,
 )
+from ..core.axes import DATA, ShardAxes
 from ..core.collectives import SCRATCH, CommCounter
 from ..core.device import default_device, select, synchronize
 from ..core.gather import Unit, plan_units, register_params
@@ -120,6 +121,7 @@ class ZeroEngine(EngineAPI, nn.Module):
         self.replica_comm = self.grid.replica.comm(counter)
         self.grid_comm = self.grid.everyone.comm(counter, "grid")
         self.data_comm = self.grid.data.comm(counter)  # this pipeline stage's data-parallel ranks
+        self.shard_axes = ShardAxes({DATA: self.comm})  # what each flat group shards over (core/axes.py)
         self.health = health.Monitor(config.comms_timeout_s)  # a rank that stops answering is named
         for c in (self.comm, self.replica_comm, self.grid_comm, self.data_comm):
             c.watched = self.health.on and c.backend == "gloo"
@@ -177,8 +179,8 @@ class ZeroEngine(EngineAPI, nn.Module):
         sharding = self.policy.shard_optimizer  # partitions: 1/N of each group per rank, or all of it
         self.flat_groups = build_flat_groups(
             self.base_module, groups, self._unit_of, group_cap(self.zero_config, self.comm.world_size),
-            partitions=self.comm.world_size if sharding else 1, rank=self.comm.rank if sharding else 0,
-            device=self.device, tp_of=model_slices(self.base_module, self.grid.tp_size, self.grid.tensor.rank),
+            axes=self.shard_axes, sharding=sharding, device=self.device,
+            tp_of=model_slices(self.base_module, self.grid.tp_size, self.grid.tensor.rank),
             separate={id(p): f"separate{i}" for i, p in enumerate(separate_params)})
         elsewhere = {id(p) for p in counted_elsewhere}
         for g in self.flat_groups:  # held here too, but its norm and checkpoint are another rank's
@@ -194,13 +196,13 @@ class ZeroEngine(EngineAPI, nn.Module):
             replaced = {old: new for g in self.flat_groups for old, new in g.replaced.items()}
             loaded = {id(replaced[i]): p for i, p in built_in_init.items() if i in replaced}
             self._setup_units(unit_plan, meta, param_init_fn, loaded)
-        register_params(self.flat_groups, self.comm, sharded=self.policy.shard_parameters,
+        register_params(self.flat_groups, self.shard_axes, sharded=self.policy.shard_parameters,
                         agreement=self.sharded.agreement if self.sharded is not None else None)
         for g in self.trainable:
             g.allocate_gradients(keep_full=self.policy.full_gradient_buffer,
                                  dtype=self.precision.grad_dtype(g.dtype))
         # stage 3: the reductions take turns with the units' all-gathers for one scratch buffer
-        reducing = self.sharded.comm if self.sharded is not None else self.comm
+        reducing = self.sharded.axes if self.sharded is not None else self.shard_axes
         self.reducer = GradReducer(reducing, self.trainable, self.policy, self.precision,
                                    reduce_scatter=self.zero_config.reduce_scatter,
                                    overlap_comm=self.overlap_comm, replicas=self.replica_comm)
@@ -267,7 +269,7 @@ class ZeroEngine(EngineAPI, nn.Module):
             logger.warning(whole)
         zc = self.zero_config
         hpz = self.grid.secondary  # hpZ's secondary copies, gathered within these ranks (core/secondary.py)
-        self.sharded = ShardedParams(self.base_module, unit_plan, self.flat_groups, self.comm, zc,
+        self.sharded = ShardedParams(self.base_module, unit_plan, self.flat_groups, self.shard_axes, zc,
                                      _unit_done_hook(self),
                                      secondary=hpz.comm(self.comm.counter, "secondary") if hpz is not None else None)
         self.param_offload = ParamOffload(zc, self.config.aio, self.device, self.grid.rank) \
@@ -528,7 +530,7 @@ class ZeroEngine(EngineAPI, nn.Module):
     def _global_norm_and_usage(self, grads: list[torch.Tensor]) -> tuple[float, list[list[bool]]]:
         """The global gradient norm and which parameters got a gradient on any rank (``norm.py``)."""
         return global_norm_and_usage(grads, self.trainable, self.reducer.usage(), self.grid,
-                                     whole_on_every_rank=not self.policy.shard_optimizer, comm=self.comm,
+                                     whole_on_every_rank=not self.policy.shard_optimizer, axes=self.shard_axes,
                                      data_comm=self.data_comm, grid_comm=self.grid_comm, device=self.device)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
