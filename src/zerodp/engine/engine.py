@@ -72,7 +72,8 @@ from ..core.reduce import GradReducer
 from ..core.sharded import ShardedParams
 from ..core.stages import StagePolicy, policy_for
 from ..offload import OptimizerOffload, ParamOffload, group_cap
-from ..parallel import TensorParallel, model_slices, replaced_parameters
+from ..parallel import Parallelism, parallelisms_for, replaced_parameters
+from ..parallel import base as parallel
 from ..parallel.grid import Grid, build_grid
 from .engine_api import EngineAPI
 
@@ -121,14 +122,16 @@ class ZeroEngine(EngineAPI, nn.Module):
         self.replica_comm = self.grid.replica.comm(counter)
         self.grid_comm = self.grid.everyone.comm(counter, "grid")
         self.data_comm = self.grid.data.comm(counter)  # this pipeline stage's data-parallel ranks
-        self.shard_axes = ShardAxes({DATA: self.comm})  # what each flat group shards over (core/axes.py)
+        # the parallelisms beside ZeRO (parallel/base.py): tensor parallelism when the grid has a tensor axis
+        self.parallelisms: list[Parallelism] = parallelisms_for(self.grid, model, counter)
+        # what each flat group shards and reduces over (core/axes.py): the data axis, and a parallelism's own
+        self.shard_axes = ShardAxes({DATA: self.comm, **{n: c for p in self.parallelisms
+                                                         for n, c in p.shard_axes().items()}})
         self.health = health.Monitor(config.comms_timeout_s)  # a rank that stops answering is named
-        for c in (self.comm, self.replica_comm, self.grid_comm, self.data_comm):
+        for c in (self.replica_comm, self.grid_comm, self.data_comm,
+                  *(self.shard_axes.comm(n) for n in self.shard_axes.names)):
             c.watched = self.health.on and c.backend == "gloo"
         self.dp_world_size, self.dp_rank = self.grid.data.size, self.grid.data.rank
-        # a model split over the grid's tensor axis: the batch check and the activations' bytes
-        self.tensor_parallel: Optional[TensorParallel] = (TensorParallel(self.grid, model, counter)
-                                                          if self.grid.tp_size > 1 else None)
         self.policy: StagePolicy = policy_for(config.zero_optimization.stage)
         self.zero_config = config.zero_optimization
         self.overlap_comm = config.zero_optimization.overlap_comm_effective
@@ -180,7 +183,8 @@ class ZeroEngine(EngineAPI, nn.Module):
         self.flat_groups = build_flat_groups(
             self.base_module, groups, self._unit_of, group_cap(self.zero_config, self.comm.world_size),
             axes=self.shard_axes, sharding=sharding, device=self.device,
-            tp_of=model_slices(self.base_module, self.grid.tp_size, self.grid.tensor.rank),
+            tp_of=parallel.placement(self.parallelisms, self.base_module),
+            axis_of=parallel.shard_axis_of(self.parallelisms, self.base_module),
             separate={id(p): f"separate{i}" for i, p in enumerate(separate_params)})
         elsewhere = {id(p) for p in counted_elsewhere}
         for g in self.flat_groups:  # held here too, but its norm and checkpoint are another rank's
@@ -303,12 +307,10 @@ class ZeroEngine(EngineAPI, nn.Module):
         """The model's forward on inputs cast to the compute dtype; at stage 3 the model's own
         hooks gather its units (``gather.install_root_hooks``), so a direct call of the model
         gathers the same way."""
-        tp = self.tensor_parallel
         with self._timed("forward"):
-            if tp is not None:
-                tp.check_inputs(args, kwargs)
+            args, kwargs = parallel.prepare_inputs(self.parallelisms, args, kwargs)
             args, kwargs = self.precision.cast_inputs((args, kwargs))
-            with released_parameters_named(self.read_watch), self._tp_region():
+            with released_parameters_named(self.read_watch), parallel.enter_regions(self.parallelisms):
                 out = self.module(*args, **kwargs)
             return out  # under loss parallelism the model's own hooks made the loss a plain tensor
 
@@ -317,11 +319,6 @@ class ZeroEngine(EngineAPI, nn.Module):
         """Stage 3: what gathers a parameter read outside its unit's forward and names the parameters
         a failed forward could not reach (``core/access.py``); None below stage 3."""
         return self.sharded.watch if self.sharded is not None else None
-
-    def _tp_region(self):
-        """Where forward and backward run under tensor parallelism (torch's loss_parallel() when the
-        logits stay split; ``parallel.TensorParallel.region``)."""
-        return contextlib.nullcontext() if self.tensor_parallel is None else self.tensor_parallel.region()
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backpropagate ``loss`` (scaled by 1/gradient_accumulation_steps unless
@@ -336,7 +333,7 @@ class ZeroEngine(EngineAPI, nn.Module):
         if self.loss_scaler is not None:  # in fp32, so a 16-bit loss times the scale cannot overflow
             scaled = scaled.float() * self.loss_scaler.scale
         with (self._timed("backward"), released_parameters_named(self.read_watch),
-              self._tp_region()):
+              parallel.enter_regions(self.parallelisms)):
             self._in_engine_backward = True
             try:
                 scaled.backward(retain_graph=retain_graph)
@@ -558,6 +555,6 @@ class ZeroEngine(EngineAPI, nn.Module):
             self.offload.close()
         if self.param_offload is not None:
             self.param_offload.close()
-        if self.tensor_parallel is not None:
-            self.tensor_parallel.close()
+        for p in self.parallelisms:
+            p.close()
         SCRATCH.release()  # gloo's all-to-all buffers not in use

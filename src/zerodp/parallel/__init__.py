@@ -7,8 +7,11 @@ What ``zerodp.initialize`` and the engine use of it:
   ``mpu``, a ``DeviceMesh`` or a data-parallel ``process_group``) and splits the model over its
   tensor axis when zerodp owns the split (the config or a mesh; an ``mpu`` brings a model its
   script split itself, Megatron-style);
-* :class:`TensorParallel` is the engine's handle on a split model: it checks that every
-  tensor-parallel rank runs the same batch and counts the activations' collectives.
+* :func:`parallelisms_for` makes the engine's list of parallelisms (``base.Parallelism``: what
+  each does to inputs, the region forward and backward run in, where each parameter lives, the
+  axis its parameters shard over); :class:`TensorParallel` is tensor parallelism's: it checks
+  that every tensor-parallel rank runs the same batch, places the split parameters' slices and
+  counts the activations' collectives.
 
 ``tp_model_init`` (DeepSpeed's ``deepspeed.tp_model_init``) splits a model before ``initialize``.
 """
@@ -23,12 +26,14 @@ from torch import nn
 from ..core.collectives import Comm, CommCounter
 from ..core.flat import is_dtensor
 from .adapters import base_model, expand_adapters
+from .base import Parallelism
 from .grid import Grid, GridError, build_grid, grid_from_mesh, grid_from_mpu, with_secondary
 from .plans import check_heads, localize, plan_for, with_loss_parallel, with_sequence_parallel
 from .tensor import Split, TensorParallelError, TPSlice, apply_plan, model_slices, replaced_parameters, resolve_plan
 
-__all__ = ["Grid", "GridError", "TensorParallel", "TensorParallelError", "TPSlice", "Split", "grid_for",
-           "tensor_parallelize", "tp_model_init", "model_slices", "replaced_parameters"]
+__all__ = ["Grid", "GridError", "Parallelism", "TensorParallel", "TensorParallelError", "TPSlice", "Split",
+           "grid_for", "parallelisms_for", "tensor_parallelize", "tp_model_init", "model_slices",
+           "replaced_parameters"]
 
 #: Where a model split by zerodp keeps its grid (``tp_model_init`` before ``initialize``).
 GRID_ATTR = "_zerodp_grid"
@@ -138,8 +143,16 @@ def tp_model_init(model: nn.Module, tp_size: int, dtype: Optional[torch.dtype] =
     return model
 
 
-class TensorParallel:
+def parallelisms_for(grid: Grid, model: nn.Module, counter: CommCounter) -> list[Parallelism]:
+    """The parallelisms an engine over ``grid`` runs ``model`` with, in the order their inputs and
+    regions apply (tensor parallelism where the grid's tensor axis has more than one rank)."""
+    return [TensorParallel(grid, model, counter)] if grid.tp_size > 1 else []
+
+
+class TensorParallel(Parallelism):
     """The engine's handle on a model split over the grid's tensor axis (see the module docstring)."""
+
+    name = "tensor"
 
     def __init__(self, grid: Grid, model: nn.Module, counter: CommCounter) -> None:
         self.grid = grid
@@ -156,11 +169,16 @@ class TensorParallel:
         backward), else nothing."""
         return _loss_parallel_region() if self.loss_parallel else contextlib.nullcontext()
 
-    def check_inputs(self, args: Any, kwargs: Any) -> None:
+    def placement(self, model: nn.Module) -> dict[int, TPSlice]:
+        """The split parameters' slices of their unsplit tensors (``tensor.model_slices``)."""
+        return model_slices(model, self.grid.tp_size, self.grid.tensor.rank)
+
+    def prepare_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Every tensor-parallel rank must run the same batch: each rank's inputs are summed into a
-        fingerprint, and a difference inside the group fails on every rank, naming the ranks."""
+        fingerprint, and a difference inside the group fails on every rank, naming the ranks. The
+        inputs are given back as they came."""
         if self.comm.world_size == 1:
-            return
+            return args, kwargs
         from ..core.gather import _tensors_in
         parts = []
         for t in _tensors_in((args, kwargs)):
@@ -180,6 +198,7 @@ class TensorParallel:
                 + " and ".join(f"ranks {rs}" for rs in groups.values()) + " got different inputs. Give every "
                 "rank of a tensor-parallel group the same data: split the data over the data-parallel ranks "
                 "only (engine.dp_world_size, engine.dp_rank; initialize(training_data=...) does)")
+        return args, kwargs
 
     def close(self) -> None:
         for h in self.hooks:
