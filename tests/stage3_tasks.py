@@ -412,3 +412,40 @@ def empty_partition_cache_task(group) -> dict:
            "after_step": second}
     engine.destroy()
     return out
+
+
+def unit_states_through_a_step(group) -> dict:
+    """The states a step takes the units and the prefetch plan through (``core/gather.py``), seen
+    from hooks on the units' modules and from the engine between calls."""
+    rank = dist.get_rank(group)
+    engine, _, _, _ = zerodp.initialize(model=_mlp(), config=_config(3), process_group=group)
+    units = engine.sharded.units
+    seen: dict[str, list] = {"in_forward": [], "in_backward": []}
+    hooks = [u.module.register_forward_pre_hook(  # after the engine's own pre-hook
+        lambda m, a, u=u: seen["in_forward"].append(u.state.value)) for u in units[1:]]
+    hooks += [u.module.register_full_backward_hook(
+        lambda m, gi, go, u=u: seen["in_backward"].append(u.state.value)) for u in units[1:]]
+    plans = []
+    for step in range(2):
+        x = torch.randn(2, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+        out = engine(x.requires_grad_()).pow(2).mean()  # every unit's backward hook after its own
+        plans.append(engine.sharded.prefetcher.plan.value)
+        seen.setdefault(f"after_forward_{step}", [u.state.value for u in units[1:]])
+        engine.backward(out)
+        seen.setdefault(f"after_backward_{step}", [(u.state.value, u.pending_backward) for u in units])
+        engine.step()
+    for h in hooks:
+        h.remove()
+    with engine.parameters_held():
+        held = ([u.state.value for u in units], engine.sharded.prefetcher.plan.value)
+        engine.backward(engine(torch.ones(2, 8)).sum())
+        held_after_backward = [u.state.value for u in units]
+    after_held = ([u.state.value for u in units], engine.sharded.prefetcher.plan.value)
+    engine.sharded.invalidate()
+    invalidated = engine.sharded.prefetcher.plan.value
+    with torch.no_grad():
+        engine(torch.ones(2, 8))
+    rerecorded = engine.sharded.prefetcher.plan.value
+    engine.destroy()
+    return {**seen, "plans": plans, "held": held, "held_after_backward": held_after_backward,
+            "after_held": after_held, "invalidated": invalidated, "rerecorded": rerecorded, "units": len(units)}

@@ -232,9 +232,10 @@ def test_the_private_read_checker_sees_reads_and_not_own_members(tmp_path):
     assert private_reads(reader, names) == [(2, "engine._step")]
 
 
-#: A stage-3 unit's state, which only the stage-3 object and the unit's own module change.
-UNIT_STATE = {"pins", "pending_backward", "held", "in_backward", "suspended"}
-UNIT_STATE_OWNERS = {"core/gather.py", "core/sharded.py"}
+#: A stage-3 unit's state and its prefetch plan's, which only the unit's and the plan's own methods
+#: change (``core/gather.py``); ``ShardedParams`` and the rest call those methods.
+UNIT_STATE = {"pins", "pending_backward", "state", "plan", "held", "in_backward", "suspended"}
+UNIT_STATE_OWNERS = {"core/gather.py"}
 
 
 def state_writes(path: Path, names: set[str]) -> list[tuple[int, str]]:

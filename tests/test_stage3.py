@@ -267,3 +267,52 @@ def test_empty_partition_cache_releases_what_an_abandoned_forward_gathered(pool)
         assert r["gathered_after"] == 0 == r["buffers_after"]
         assert r["again"] == r["first"]
         assert r["after_step"] != r["first"]
+
+
+def test_a_step_takes_units_and_the_plan_through_their_states(pool):
+    """A unit is in forward while its forward runs, in backward while its backward runs, idle after
+    either (the last unit of forward too, kept gathered for backward), held through
+    ``parameters_held``; the plan records in the first forward, follows from the second, and
+    records again after ``invalidate``."""
+    from stage3_tasks import unit_states_through_a_step
+    for r in pool.run(unit_states_through_a_step, 2):
+        n = r["units"] - 1
+        assert r["in_forward"] == ["forward"] * 2 * n, r
+        assert r["in_backward"] == ["backward"] * 2 * n, r["in_backward"]
+        assert r["after_forward_0"] == ["idle"] * n
+        assert r["after_backward_0"] == [("idle", 0)] * (n + 1) == r["after_backward_1"]
+        assert r["plans"] == ["recording", "following"]
+        assert r["held"] == (["held"] * (n + 1), "suspended")
+        assert r["held_after_backward"] == ["held"] * (n + 1)
+        assert r["after_held"] == (["idle"] * (n + 1), "following")
+        assert r["invalidated"] == "departed" and r["rerecorded"] == "recording"
+
+
+def test_a_unit_changes_state_only_as_its_transitions_allow():
+    from torch import nn
+
+    from zerodp.core.axes import DATA, ShardAxes
+    from zerodp.core.gather import Unit, UnitState
+    unit = Unit(1, "block", nn.Linear(2, 2), [], ShardAxes({DATA: None}))
+    assert unit.state is UnitState.IDLE
+    unit.enter_forward()
+    assert unit.state is UnitState.FORWARD
+    unit.enter_backward()  # backward reached it; a forward recomputed there leaves it in backward
+    unit.enter_forward()
+    unit.leave_forward()
+    assert unit.state is UnitState.BACKWARD and unit.in_backward
+    unit.release()
+    assert unit.state is UnitState.IDLE
+    unit.hold()
+    for change in (unit.enter_forward, unit.enter_backward, unit.release, unit.leave_forward):
+        change()
+        assert unit.state is UnitState.HELD and unit.held
+    unit.pin()
+    unit.expect_backward()
+    unit.expect_backward()
+    unit.forget_uses()  # a held unit keeps its counts
+    assert (unit.pins, unit.pending_backward) == (1, 2)
+    assert unit.backward_came() is False and unit.backward_came() is True
+    unit.unhold()
+    unit.forget_uses()
+    assert unit.state is UnitState.IDLE and unit.pins == 0

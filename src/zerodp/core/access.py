@@ -24,11 +24,11 @@ import contextlib
 import os
 import re
 import sys
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from torch import nn
 
-from .gather import Unit, install_external_hooks
+from .gather import Unit
 from .param_api import external_users, register_external_parameter
 
 if TYPE_CHECKING:
@@ -55,8 +55,10 @@ class ReadWatch:
     """Notices reads of parameters outside their unit's forward (see module docstring); one per
     stage-3 engine, made by ``ShardedParams``."""
 
-    def __init__(self, model: nn.Module, units: list[Unit], prefetcher: "Prefetcher") -> None:
+    def __init__(self, model: nn.Module, units: list[Unit], prefetcher: "Prefetcher",
+                 install_external: Callable[[nn.Module, list[Unit]], list]) -> None:
         self.prefetcher = prefetcher
+        self.install_external = install_external  # ShardedParams.install_external
         self.stack: list[nn.Module] = []  # the modules whose forward is running, innermost last
         self.raised_in: Optional[nn.Module] = None  # the innermost module a forward raised in
         self.unit_of = {id(p): u for u in units[1:] for g in u.groups for p in g.params}
@@ -96,7 +98,7 @@ class ReadWatch:
         key = (id(reader), unit.index)
         if key not in self._registered:  # its hooks run from this forward's end on
             self._registered.add(key)
-            self.hooks += install_external_hooks(reader, [unit], self.prefetcher)
+            self.hooks += self.install_external(reader, [unit])
             unit.pin()  # as their pre-hook would have; their post-hook, at this forward's end, unpins
         self.prefetcher.gather_now(unit)
 

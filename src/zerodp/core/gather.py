@@ -10,15 +10,18 @@ The *root* unit holds what no other unit claims, including every parameter that 
 registered in more than one module (tied weights: an embedding reused by the output layer);
 it stays gathered from the start of forward to the end of backward.
 
-Only module hooks and tensor hooks are used; nothing of torch or of the user's classes is
-patched.
+This module holds the unit (``Unit``, its state ``UnitState``), the prefetcher and its plan
+(``Prefetcher``, ``Plan``), the choice of units (``plan_units``) and the unit-by-unit
+initialization of a meta-device model; the hooks that drive a unit through a step are methods of
+``ShardedParams`` (``sharded.py``). Only module hooks and tensor hooks are used; nothing of torch
+or of the user's classes is patched.
 
 What user code calls (``GatheredParameters``, ``register_external_parameter``) is in
 ``param_api.py``; its names can be imported from here too.
 """
 from __future__ import annotations
 
-import sys
+import enum
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
@@ -35,16 +38,32 @@ if TYPE_CHECKING:
     from .axes import ShardAxes
 
 
+class UnitState(enum.Enum):
+    """Where a stage-3 unit is in a step (FSDP2's training state of a parameter group). Whether it
+    is gathered is its flat groups' to say: an idle unit may be gathered ahead of its use."""
+
+    IDLE = "idle"          # no pass runs in it: sharded, or gathered ahead (prefetched, kept)
+    FORWARD = "forward"    # gathered for its forward
+    BACKWARD = "backward"  # gathered for its backward, until released after it
+    HELD = "held"          # gathered for a whole step (a pipeline's micro-batches): never released
+
+
 class Unit:
-    """One module's flat groups, gathered and released together."""
+    """One module's flat groups, gathered and released together, and where the unit is in a step.
+
+    Its state changes only through the methods below, which ``ShardedParams`` (``sharded.py``)
+    and the prefetcher call: :meth:`enter_forward`, :meth:`leave_forward`, :meth:`enter_backward`,
+    :meth:`release` (back to idle), :meth:`hold` / :meth:`unhold`. Two counts go with it:
+    ``pins``, forwards of modules that use its parameters externally in progress (it stays
+    gathered meanwhile), and ``pending_backward``, forwards whose backward has not gone through
+    the unit yet."""
 
     def __init__(self, index: int, name: str, module: nn.Module, groups: list[FlatGroup],
                  axes: "ShardAxes") -> None:
         self.index, self.name, self.module, self.groups, self.axes = index, name, module, groups, axes
-        self.pending_backward = 0  # forward calls whose backward has not gone through yet
-        self.in_backward = False   # gathered for backward, until released after it
-        self.pins = 0              # forwards of modules using this unit's parameters externally
-        self.held = False          # gathered for a whole step (a pipeline's micro-batches): not released
+        self.state = UnitState.IDLE
+        self.pins = 0
+        self.pending_backward = 0
 
     @property
     def is_root(self) -> bool:
@@ -58,27 +77,99 @@ class Unit:
     def gathered(self) -> bool:
         return all(g.gathered for g in self.groups)
 
+    @property
+    def held(self) -> bool:
+        return self.state is UnitState.HELD
+
+    @property
+    def in_backward(self) -> bool:
+        return self.state is UnitState.BACKWARD
+
     def gather(self, async_op: bool = False) -> None:
+        """All-gather the unit's flat groups over their axes (``ShardAxes.gather``)."""
         for g in self.groups:
             self.axes.gather(g, async_op=async_op, what=f"unit '{self.name or '(root)'}'")
 
-    def pin(self) -> None:
-        """Keep the unit gathered until a matching unpin: a module using its parameters externally
-        is in its forward (its hooks unpin at the end)."""
-        self.pins += 1
+    # -- the state's transitions -------------------------------------------------------------
+
+    def enter_forward(self) -> None:
+        """Its forward begins (it is gathered); a unit held, or gathered for backward (a forward
+        recomputed there), stays as it is."""
+        if self.state is UnitState.IDLE:
+            self.state = UnitState.FORWARD
+
+    def leave_forward(self) -> None:
+        """Its forward is over; gathered still until released (kept for a use soon after)."""
+        if self.state is UnitState.FORWARD:
+            self.state = UnitState.IDLE
+
+    def enter_backward(self) -> None:
+        """Backward reached the unit (it is gathered): it stays gathered until released after it."""
+        if self.state is not UnitState.HELD:
+            self.state = UnitState.BACKWARD
 
     def release(self) -> None:
-        if self.held:
+        """Free the gathered parameters and go idle; a held unit stays gathered."""
+        if self.state is UnitState.HELD:
             return
         for g in self.groups:
             g.release()
-        self.in_backward = False
+        self.state = UnitState.IDLE
+
+    def hold(self) -> None:
+        """Gather the unit and keep it gathered until :meth:`unhold` (a pipeline step)."""
+        self.gather()
+        self.state = UnitState.HELD
+
+    def unhold(self) -> None:
+        self.state = UnitState.IDLE
+
+    # -- the counts ------------------------------------------------------------------------------
+
+    def pin(self) -> None:
+        """Keep the unit gathered until a matching :meth:`unpin`: a module using its parameters
+        externally is in its forward (its hooks unpin at the end)."""
+        self.pins += 1
+
+    def unpin(self) -> None:
+        self.pins -= 1
+
+    def expect_backward(self) -> None:
+        """A forward of the unit whose inputs require grad: one more backward to come through it."""
+        self.pending_backward += 1
+
+    def backward_came(self) -> bool:
+        """One expected backward went through the unit; True when it was the last one."""
+        self.pending_backward -= 1
+        return self.pending_backward == 0
+
+    def end_backward(self) -> None:
+        """Autograd finished a backward: released (unless held); no backward is expected any more."""
+        self.release()
+        self.pending_backward = 0
+
+    def forget_uses(self) -> None:
+        """Forget forwards whose backward never came and external uses in progress (a held unit's
+        are kept)."""
+        if self.state is not UnitState.HELD:
+            self.pins = 0
+            self.pending_backward = 0
 
 
-def _inside_backward() -> bool:
+def inside_backward() -> bool:
     """True while autograd runs a backward pass (e.g. activation checkpointing recomputes a
     forward inside it)."""
     return torch._C._current_graph_task_id() != -1
+
+
+class Plan(enum.Enum):
+    """The prefetch plan's state (``Prefetcher.plan``)."""
+
+    RECORDING = "recording"  # no order recorded: this forward records the units it runs; no prefetching
+    FOLLOWING = "following"  # the pass keeps to the recorded order so far: the next units are prefetched
+    DEPARTED = "departed"    # the pass left the order, or it was invalidated: nothing is prefetched,
+    #                          and the next forward records the order again
+    SUSPENDED = "suspended"  # every unit is held gathered (a pipeline step): the plan stands by
 
 
 class Prefetcher:
@@ -96,7 +187,8 @@ class Prefetcher:
     after it are prefetched when its backward is done rather than while it computes: at most
     one exposed gather per step, for one unit less at the peak.
     When a forward departs from the recorded order, prefetching stops for that pass and
-    the order is recorded again in the next one (prefetching resumes in the one after).
+    the order is recorded again in the next one (prefetching resumes in the one after); the
+    plan's state (``plan``, a :class:`Plan`) says which of these holds.
     Every rank takes the same decisions, so the collectives stay in the same order on every
     rank; ``UnitAgreement`` checks that the ranks run the same units (``agree.py``).
     """
@@ -106,16 +198,16 @@ class Prefetcher:
         self.units, self.bucket_numel, self.max_live_numel = units, bucket_numel, max_live_numel
         self.max_reuse_numel = max_reuse_numel
         self.order: Optional[list[int]] = None
+        self.plan = Plan.RECORDING
+        self._before_suspended = Plan.RECORDING  # the state to go back to after a held step
         self._recording: list[int] = []
         self._pos = self._bpos = 0
-        self._valid = self._stale = False
         self._last_backward = -1
         self._deferred: Optional[int] = None  # the first unit of backward: prefetch after it
         self.rerecords = 0
         self.peak_gathered_bytes = 0
         self.peak_secondary_bytes = 0  # hpZ's secondary copies (core/secondary.py), the most held at once
         self.gather_wait_s = 0.0  # time spent waiting for units to arrive (exposed gathers)
-        self.suspended = False  # every unit is held gathered (``ZeroEngine.parameters_held``): nothing to do
         self.agreement = UnitAgreement(units[0].axes.comm(), self._label, self._leaf_hint) if units else None
         self._prefetched_at: dict[int, int] = {}  # unit index -> announcements made when its prefetch began
 
@@ -139,20 +231,43 @@ class Prefetcher:
     @property
     def recorded(self) -> bool:
         """Whether a forward order is recorded and still in force."""
-        return self.order is not None and not self._stale
+        return self.order is not None and self.plan is not Plan.DEPARTED
+
+    @property
+    def suspended(self) -> bool:
+        return self.plan is Plan.SUSPENDED
+
+    @property
+    def following(self) -> bool:
+        """Whether the pass under way keeps to the recorded order (the next units are prefetched)."""
+        return self.plan is Plan.FOLLOWING
 
     def invalidate(self) -> None:
         """Forget the recorded order: the next forward records it afresh (DeepSpeed's
         ``_invalidate_trace``, called after generation changed the calls)."""
-        self._stale = True
+        if self.plan is Plan.SUSPENDED:
+            self._before_suspended = Plan.DEPARTED
+        else:
+            self.plan = Plan.DEPARTED
+
+    def suspend(self) -> None:
+        """Every unit is held gathered: stand by (no gathers, prefetches, checks or recording)."""
+        if self.plan is not Plan.SUSPENDED:
+            self._before_suspended, self.plan = self.plan, Plan.SUSPENDED
+
+    def resume(self) -> None:
+        if self.plan is Plan.SUSPENDED:
+            self.plan = self._before_suspended
 
     def start_forward(self) -> None:
-        if self._stale:
-            self.order, self._stale = None, False
         self._recording, self._pos, self._bpos, self._last_backward = [], 0, 0, -1
         self._deferred = None
-        self._valid = self.order is not None
-        if self._valid and not self.suspended:  # the first units, while the root unit is gathered
+        if self.plan is Plan.SUSPENDED:
+            return
+        if self.plan is Plan.DEPARTED:
+            self.order = None
+        self.plan = Plan.RECORDING if self.order is None else Plan.FOLLOWING
+        if self.plan is Plan.FOLLOWING:  # the first units, while the root unit is gathered
             self._prefetch(self.order)
 
     def end_forward(self, raised: bool = False) -> None:
@@ -163,7 +278,7 @@ class Prefetcher:
             return
         self.agreement.announce(END_OF_FORWARD)
         self.agreement.settle()
-        if self.order is None and not self.suspended:  # (held units: nothing was recorded)
+        if self.plan is Plan.RECORDING:  # (held units: nothing was recorded)
             self.order = self._recording
 
     def gather_now(self, unit: Unit) -> None:
@@ -179,28 +294,27 @@ class Prefetcher:
         if self.suspended:
             return
         self.agreement.announce(unit.index)
-        on_plan = self._valid and self._pos < len(self.order) and self.order[self._pos] == unit.index
+        on_plan = self.following and self._pos < len(self.order) and self.order[self._pos] == unit.index
         if not on_plan:  # what comes next is not in the plan: the ranks agree before any collective
             self.agreement.settle()
         self.gather_now(unit)
-        if self.order is None:
+        unit.enter_forward()
+        if self.plan is Plan.RECORDING:
             self._recording.append(unit.index)
-        elif self._valid:
-            if on_plan:
-                self._pos += 1
-                self._prefetch(self.order[self._pos:])
-            else:  # the model ran a different sequence of units: record it in the next pass
-                self._valid = False
-                self._stale = True
-                self.rerecords += 1
+        elif on_plan:
+            self._pos += 1
+            self._prefetch(self.order[self._pos:])
+        elif self.following:  # the model ran a different sequence of units: record it in the next pass
+            self.plan = Plan.DEPARTED
+            self.rerecords += 1
         self.note_peak()
 
     def before_backward(self, unit: Unit) -> None:
         if self.suspended:
             return
         self.gather_now(unit)
-        unit.in_backward = True
-        if unit.index != self._last_backward and self.order is not None and self._valid:
+        unit.enter_backward()
+        if unit.index != self._last_backward and self.following:
             first = self._last_backward == -1
             self._last_backward = unit.index
             reverse = self.order[::-1]
@@ -219,7 +333,7 @@ class Prefetcher:
             return
         if self._deferred == unit.index:
             self._deferred = None
-            if self._valid:
+            if self.following:
                 self._prefetch(self.order[::-1][self._bpos:])
 
     def keep_after_forward(self, unit: Unit) -> bool:
@@ -228,7 +342,7 @@ class Prefetcher:
         otherwise when it is used again (later in forward, or in backward) before more than
         ``stage3_max_reuse_distance`` elements of other units are gathered, and keeping it
         stays within ``stage3_max_live_parameters``."""
-        if not self.order or not self._valid:
+        if not self.following or not self.order:
             return False
         following = self.order[self._pos] if self._pos < len(self.order) else self.order[-1]
         if self.bucket_numel > 0 and following == unit.index:
@@ -326,21 +440,21 @@ def plan_units(model: nn.Module, min_unit_params: int, unit_classes: tuple[type,
     return [units[u] for u in order], {pid: renumber[u] for pid, u in owner.items()}
 
 
-def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, (list, tuple)):
         for x in obj:
-            yield from _tensors_in(x)
+            yield from tensors_in(x)
     elif isinstance(obj, dict):
         for x in obj.values():
-            yield from _tensors_in(x)
+            yield from tensors_in(x)
     elif hasattr(obj, "__dataclass_fields__"):
         for f in obj.__dataclass_fields__:
-            yield from _tensors_in(getattr(obj, f, None))
+            yield from tensors_in(getattr(obj, f, None))
 
 
-class _AfterUnitBackward(torch.autograd.Function):
+class AfterUnitBackward(torch.autograd.Function):
     """Identity on a unit's inputs; its backward runs when backward has gone through the
     unit, i.e. once every gradient of the unit's parameters exists (accumulating parameter
     gradients run first: autograd gives them priority)."""
@@ -356,101 +470,16 @@ class _AfterUnitBackward(torch.autograd.Function):
         return (None, *grads)
 
 
-def _map_tensors(obj: Any, fn) -> Any:
+def map_tensors(obj: Any, fn) -> Any:
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_map_tensors(x, fn) for x in obj)
+        return tuple(map_tensors(x, fn) for x in obj)
     if isinstance(obj, list):
-        return [_map_tensors(x, fn) for x in obj]
+        return [map_tensors(x, fn) for x in obj]
     if isinstance(obj, dict):
-        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+        return {k: map_tensors(v, fn) for k, v in obj.items()}
     return obj
-
-
-def install_root_hooks(model: nn.Module, units: list[Unit], prefetcher: Prefetcher) -> list:
-    """Hooks on the model itself, whose parameters outside every unit form the root unit: before
-    a call of the model, gather the root unit and start the forward's prefetch plan; after it,
-    end the plan, and when no backward follows (no grad: evaluation, ``generate``) release every
-    unit. The model is called this way whether through the engine or directly (``trainer.evaluate()``,
-    ``model.generate(...)``, a reference model used as a plain module). The root unit otherwise
-    stays gathered until backward ends. Calls of the model nested in its own forward are one call."""
-    depth = 0
-
-    def pre_forward(module, args):
-        nonlocal depth
-        if _inside_backward():  # recomputed during backward: gathered until that ends
-            units[0].gather()
-            return
-        depth += 1
-        if depth == 1:  # the root unit on its way, then the first units' prefetch, then wait for the root
-            units[0].gather(async_op=True)
-            prefetcher.start_forward()
-            units[0].gather()
-            prefetcher.note_peak()
-
-    def post_forward(module, args, output):
-        nonlocal depth
-        if _inside_backward() or depth == 0:
-            return
-        depth -= 1
-        if depth == 0:
-            # torch calls this hook (always_call) from its handler when the forward raised: the
-            # ranks no longer run the same calls, so the end of the forward cannot be agreed on
-            raised = output is None and sys.exc_info()[0] is not None
-            prefetcher.end_forward(raised=raised)
-            if not torch.is_grad_enabled():
-                for unit in units:
-                    unit.release()
-
-    return [model.register_forward_pre_hook(pre_forward),
-            model.register_forward_hook(post_forward, always_call=True)]
-
-
-def install_unit_hooks(unit: Unit, prefetcher: Prefetcher, backward_done: Callable[[Unit], None]) -> list:
-    """Forward pre/post hooks for a (non-root) unit: gather it before its forward, release it
-    after; gather it again when backward reaches its outputs; call ``backward_done(unit)``
-    when backward has gone through every call of the unit (never, if no input of the unit
-    requires grad: the engine then finishes the unit when backward ends)."""
-
-    def pre_forward(module, args, kwargs):
-        if _inside_backward():  # a checkpointed forward recomputed during backward
-            unit.gather()
-            return None
-        prefetcher.before_forward(unit)
-        if not torch.is_grad_enabled():
-            return None
-        needs = [t for t in _tensors_in((args, kwargs)) if t.requires_grad]
-        if not needs:
-            return None
-        unit.pending_backward += 1
-        outs = iter(_AfterUnitBackward.apply(after_backward, *needs))
-        ids = {id(t) for t in needs}
-        swap = lambda t: next(outs) if id(t) in ids else t  # noqa: E731
-        return _map_tensors(args, swap), _map_tensors(kwargs, swap)
-
-    def after_backward():
-        unit.pending_backward -= 1
-        if unit.pending_backward == 0:
-            backward_done(unit)
-
-    def regather(grad):
-        prefetcher.before_backward(unit)
-        return grad
-
-    def post_forward(module, args, output):
-        if _inside_backward() or unit.in_backward:
-            return output  # recomputed for backward: the unit stays gathered until that ends
-        if torch.is_grad_enabled():
-            for t in _tensors_in(output):
-                if t.requires_grad:
-                    t.register_hook(regather)
-        if unit.pins == 0 and not prefetcher.keep_after_forward(unit):
-            unit.release()
-        return output
-
-    return [unit.module.register_forward_pre_hook(pre_forward, with_kwargs=True),
-            unit.module.register_forward_hook(post_forward)]
 
 
 def initialize_meta_units(units: list[Unit], seed: int, device: torch.device,
@@ -505,35 +534,3 @@ def initialize_meta_units(units: list[Unit], seed: int, device: torch.device,
             g.keep_own_shard()
             if after_group is not None:
                 after_group(g)
-
-
-# -- parameters used outside their unit ----------------------------------------------------------
-
-def install_external_hooks(module: nn.Module, units: list[Unit], prefetcher: Prefetcher) -> list:
-    """Keep ``units`` gathered around ``module``'s forward, and gather them again when
-    backward reaches its outputs."""
-
-    def pre_forward(mod, args):
-        for u in units:
-            u.pins += 1
-            prefetcher.gather_now(u)
-
-    def post_forward(mod, args, output):
-        for u in units:
-            u.pins -= 1
-        if _inside_backward():
-            return output
-        if torch.is_grad_enabled():
-            def regather(grad):
-                for u in units:
-                    prefetcher.before_backward(u)
-                return grad
-            for t in _tensors_in(output):
-                if t.requires_grad:
-                    t.register_hook(regather)
-        for u in units:
-            if u.pins == 0 and not u.in_backward:
-                u.release()
-        return output
-
-    return [module.register_forward_pre_hook(pre_forward), module.register_forward_hook(post_forward)]

@@ -1,48 +1,55 @@
 """Stage 3 as one object: :class:`ShardedParams` owns the units, their prefetcher and agreement,
-the hooks that gather and release them, and every reset of their state.
+a unit's life in a step (its pre/post forward and backward, as methods), and every reset of
+their state.
 
 The engine holds one at stage 3 (``engine.sharded``; None below) and talks to it through the
 methods below, as it talks to the gradient reducer (``reduce.py``) through its own:
 
-* set-up: ``ShardedParams(...)`` makes the units of a plan, installs the root, unit and external
-  hooks (``gather.py``) and the watch on parameters read outside their unit (``access.py``), and
+* set-up: ``ShardedParams(...)`` makes the units of a plan and registers its methods as hooks on
+  the model (the root unit), on every unit's module and on modules that use a unit's parameters
+  externally, installs the watch on parameters read outside their unit (``access.py``), and
   ``initialize_meta`` gives a model built on the meta device its values;
-* during a step: the hooks call ``Prefetcher.before_forward`` / ``before_backward`` and, once
-  backward has gone through a unit, the engine's callback, which calls :meth:`unit_done` before
-  handing the unit's gradients to the reducer;
+* during a step: before a unit's forward the unit is gathered (``Prefetcher.before_forward``,
+  which also prefetches the next units) and enters its forward; after it, it is released unless
+  used again soon; backward reaching its outputs gathers it again and puts it in backward; once
+  backward has gone through every call of the unit, :meth:`unit_done` releases it and the
+  engine's callback hands its gradients to the reducer. Each unit's state (``gather.UnitState``)
+  and the prefetch plan's (``gather.Plan``) change only through their own methods;
 * the resets: :meth:`backward_ended` (autograd finished a backward: release every unit),
   :meth:`release_all` (``empty_partition_cache``; a checkpoint load), :meth:`held` (every unit
   gathered for a whole pipeline step);
 * what others read: ``units`` (for tests and tools), ``axes`` (the collectives of its units'
   shard axes, for the stage-3 reductions), ``comm`` (the data axis' of them) and its ``scratch``,
-  ``agreement``, ``peak_gathered_bytes``,
-  ``gather_wait_s``, :meth:`unit_sizes`, :meth:`invalidate` and ``recorded`` (DeepSpeed's
-  ``param_coordinator`` that TRL resets after generation).
+  ``agreement``, ``peak_gathered_bytes``, ``gather_wait_s``, :meth:`unit_sizes`,
+  :meth:`invalidate` and ``recorded`` (DeepSpeed's ``param_coordinator`` that TRL resets after
+  generation).
 """
 from __future__ import annotations
 
 import contextlib
+import functools
+import sys
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+import torch
 from torch import nn
 
 from .access import ReadWatch
 from .collectives import ScratchPool
 from .gather import (
+    AfterUnitBackward,
     Prefetcher,
     Unit,
     initialize_meta_units,
-    install_external_hooks,
-    install_root_hooks,
-    install_unit_hooks,
+    inside_backward,
+    map_tensors,
+    tensors_in,
 )
 from .leaves import mark_leaf_parameters
 from .param_api import external_users
 from .secondary import SecondaryCopy
 
 if TYPE_CHECKING:
-    import torch
-
     from ..config import ZeroConfig
     from .axes import ShardAxes
     from .collectives import Comm
@@ -81,17 +88,23 @@ class ShardedParams:
         zc = zero_config
         self.prefetcher = Prefetcher(self.units, zc.stage3_prefetch_bucket_size,
                                      zc.stage3_max_live_parameters, zc.stage3_max_reuse_distance)
-        self._hooks = install_root_hooks(model, self.units, self.prefetcher)
+        self._on_unit_done = on_unit_done
+        self._depth = 0  # calls of the model in progress (nested calls in its own forward are one)
+        self._hooks = [model.register_forward_pre_hook(self._root_pre_forward),
+                       model.register_forward_hook(self._root_post_forward, always_call=True)]
         for unit in self.units[1:]:
-            self._hooks += install_unit_hooks(unit, self.prefetcher, on_unit_done)
+            self._hooks += [
+                unit.module.register_forward_pre_hook(functools.partial(self._unit_pre_forward, unit),
+                                                      with_kwargs=True),
+                unit.module.register_forward_hook(functools.partial(self._unit_post_forward, unit))]
         unit_of_param = {id(p): self.units[g.unit] for g in groups for p in g.params}
         for module, params in external_users(model):
             owners = {id(u): u for p in params if (u := unit_of_param.get(id(p))) is not None
                       and not u.is_root}
             if owners:
-                self._hooks += install_external_hooks(module, list(owners.values()), self.prefetcher)
+                self._hooks += self.install_external(module, list(owners.values()))
         # reads of a parameter outside its unit's forward: gathered then, external from then on
-        self.watch = ReadWatch(model, self.units, self.prefetcher)
+        self.watch = ReadWatch(model, self.units, self.prefetcher, self.install_external)
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -103,7 +116,107 @@ class ShardedParams:
         initialize_meta_units(self.units, seed, device, param_init_fn, self.prefetcher,
                               after_group=after_group, loaded=loaded, after_unit=after_unit)
 
-    # -- during a step -----------------------------------------------------------------------
+    # -- a unit's life in a step: the hooks' bodies ---------------------------------------------
+
+    def _root_pre_forward(self, module: nn.Module, args) -> None:
+        """Before a call of the model (through the engine, or directly: ``trainer.evaluate()``,
+        ``model.generate(...)``): gather the root unit and start the forward's prefetch plan."""
+        root = self.units[0]
+        if inside_backward():  # recomputed during backward: gathered until that ends
+            root.gather()
+            return
+        self._depth += 1
+        if self._depth == 1:  # the root unit on its way, then the first units' prefetch, then wait for the root
+            root.gather(async_op=True)
+            self.prefetcher.start_forward()
+            root.gather()
+            self.prefetcher.note_peak()
+
+    def _root_post_forward(self, module: nn.Module, args, output) -> None:
+        """After a call of the model: end the plan; when no backward follows (no grad: evaluation,
+        ``generate``) release every unit. The root unit otherwise stays gathered until backward ends."""
+        if inside_backward() or self._depth == 0:
+            return
+        self._depth -= 1
+        if self._depth == 0:
+            # torch calls this hook (always_call) from its handler when the forward raised: the
+            # ranks no longer run the same calls, so the end of the forward cannot be agreed on
+            raised = output is None and sys.exc_info()[0] is not None
+            self.prefetcher.end_forward(raised=raised)
+            if not torch.is_grad_enabled():
+                for unit in self.units:
+                    unit.release()
+
+    def _unit_pre_forward(self, unit: Unit, module: nn.Module, args, kwargs):
+        """Gather a (non-root) unit before its forward; when its inputs require grad, wrap them so
+        that :meth:`_unit_post_backward` runs once backward has gone through the unit."""
+        if inside_backward():  # a checkpointed forward recomputed during backward
+            unit.gather()
+            return None
+        self.prefetcher.before_forward(unit)
+        if not torch.is_grad_enabled():
+            return None
+        needs = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
+        if not needs:  # no backward through the unit: it is finished when backward ends
+            return None
+        unit.expect_backward()
+        outs = iter(AfterUnitBackward.apply(functools.partial(self._unit_post_backward, unit), *needs))
+        ids = {id(t) for t in needs}
+        swap = lambda t: next(outs) if id(t) in ids else t  # noqa: E731
+        return map_tensors(args, swap), map_tensors(kwargs, swap)
+
+    def _unit_post_forward(self, unit: Unit, module: nn.Module, args, output):
+        """Release a unit after its forward (unless it is used next, or externally in progress), and
+        have backward gather it again when it reaches the unit's outputs."""
+        if inside_backward() or unit.in_backward:
+            return output  # recomputed for backward: the unit stays gathered until that ends
+        if torch.is_grad_enabled():
+            regather = functools.partial(self._unit_pre_backward, (unit,))
+            for t in tensors_in(output):
+                if t.requires_grad:
+                    t.register_hook(regather)
+        unit.leave_forward()
+        if unit.pins == 0 and not self.prefetcher.keep_after_forward(unit):
+            unit.release()
+        return output
+
+    def _unit_pre_backward(self, units: "tuple[Unit, ...]", grad):
+        """Backward reached outputs of ``units``: gather them for their backward."""
+        for unit in units:
+            self.prefetcher.before_backward(unit)
+        return grad
+
+    def _unit_post_backward(self, unit: Unit) -> None:
+        """One backward went through ``unit``; after the last one expected, :meth:`unit_done` and
+        the engine's callback (which hands the unit's gradients to the reducer)."""
+        if unit.backward_came():
+            self._on_unit_done(unit)
+
+    def install_external(self, module: nn.Module, units: "list[Unit]") -> list:
+        """Keep ``units`` gathered around ``module``'s forward (it uses their parameters), and gather
+        them again when backward reaches its outputs; returns the hooks."""
+        return [module.register_forward_pre_hook(functools.partial(self._external_pre_forward, units)),
+                module.register_forward_hook(functools.partial(self._external_post_forward, units))]
+
+    def _external_pre_forward(self, units: "list[Unit]", module: nn.Module, args) -> None:
+        for u in units:
+            u.pin()
+            self.prefetcher.gather_now(u)
+
+    def _external_post_forward(self, units: "list[Unit]", module: nn.Module, args, output):
+        for u in units:
+            u.unpin()
+        if inside_backward():
+            return output
+        if torch.is_grad_enabled():
+            regather = functools.partial(self._unit_pre_backward, tuple(units))
+            for t in tensors_in(output):
+                if t.requires_grad:
+                    t.register_hook(regather)
+        for u in units:
+            if u.pins == 0 and not u.in_backward:
+                u.release()
+        return output
 
     def unit_done(self, unit: Unit) -> None:
         """Backward has gone through ``unit``: release it, and start the next units' all-gathers
@@ -117,16 +230,14 @@ class ShardedParams:
         """Autograd finished a backward: every unit is released (the root unit, and any unit whose
         backward never came because none of its inputs required grad) and expects no backward."""
         for unit in self.units:
-            unit.release()
-            unit.pending_backward = 0
+            unit.end_backward()
 
     def release_all(self, forget_uses: bool = False) -> None:
         """Release every unit not held for a pipeline step; ``forget_uses``: also forget forwards
         whose backward never came and external uses in progress (between steps only)."""
         for unit in self.units:
-            if forget_uses and not unit.held:
-                unit.pins = 0
-                unit.pending_backward = 0
+            if forget_uses:
+                unit.forget_uses()
             unit.release()
 
     @contextlib.contextmanager
@@ -134,16 +245,15 @@ class ShardedParams:
         """Every unit gathered for the duration and released after; the hooks' gathering,
         prefetching and checks stand by meanwhile."""
         for unit in self.units:
-            unit.gather()
-            unit.held = True
+            unit.hold()
         self.prefetcher.note_peak()
-        self.prefetcher.suspended = True
+        self.prefetcher.suspend()
         try:
             yield
         finally:
-            self.prefetcher.suspended = False
+            self.prefetcher.resume()
             for unit in self.units:
-                unit.held = False
+                unit.unhold()
             self.backward_ended()
 
     def remove_hooks(self) -> None:

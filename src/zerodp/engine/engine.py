@@ -305,7 +305,7 @@ class ZeroEngine(EngineAPI, nn.Module):
 
     def forward(self, *args, **kwargs):
         """The model's forward on inputs cast to the compute dtype; at stage 3 the model's own
-        hooks gather its units (``gather.install_root_hooks``), so a direct call of the model
+        hooks gather its units (``ShardedParams``, ``core/sharded.py``), so a direct call of the model
         gathers the same way."""
         with self._timed("forward"):
             args, kwargs = parallel.prepare_inputs(self.parallelisms, args, kwargs)

@@ -179,9 +179,9 @@ class TensorParallel(Parallelism):
         inputs are given back as they came."""
         if self.comm.world_size == 1:
             return args, kwargs
-        from ..core.gather import _tensors_in
+        from ..core.gather import tensors_in
         parts = []
-        for t in _tensors_in((args, kwargs)):
+        for t in tensors_in((args, kwargs)):
             x = torch.view_as_real(t.detach()) if t.is_complex() else t.detach()
             x = x.reshape(-1).double()
             weights = torch.arange(1, x.numel() + 1, dtype=torch.float64, device=x.device).remainder_(97).add_(1)
