@@ -65,3 +65,16 @@ def test_grads_are_none_after_a_step(pool, stage):
     assert r["after_backward"] == (r["params"] if stage < 2 else 0)  # stage 2 keeps only the reduced shard
     assert r["after_step"] == 0
     assert r["kept"] == (r["params"] if stage < 2 else 0) and r["kept_zero"]
+
+
+def test_one_rule_says_whether_a_backward_reduces_for_the_engine_and_the_plain_loop():
+    """``Backward.reduces`` (``core/backward.py``): never inside ``no_sync()``; at stages 2-3 every
+    backward; at stages 0-1 only at a boundary, which a plain backward never is."""
+    from zerodp.core.backward import Backward
+    from zerodp.core.stages import policy_for
+    for stage in range(4):
+        for no_sync in (False, True):
+            b = Backward(None, None, policy_for(stage), lambda no_sync=no_sync: no_sync, None)
+            every = stage >= 2
+            assert b.reduces(boundary=True) is (not no_sync), (stage, no_sync)
+            assert b.reduces(boundary=False) is (every and not no_sync), (stage, no_sync)

@@ -15,8 +15,9 @@
 * fp16 needs its loss scaled: ``engine.scale(loss).backward()``; ``optimizer.step()`` refuses
   fp16 gradients from a backward whose loss was not scaled.
 
-The engine notices a plain backward from its gradient hooks (a backward it did not start) and
-queues a callback that autograd runs when that backward ends. ``optimizer.step`` and
+The engine's ``Backward`` (``backward.py``) notices a plain backward from its gradient hooks (a
+backward it did not start), runs it as it runs ``engine.backward``'s, and tells this object when
+it began and ended. ``optimizer.step`` and
 ``zero_grad`` of the returned optimizer are the engine's, bound to that optimizer object alone
 (nothing of torch is patched): a learning-rate scheduler built on it works as usual.
 """
@@ -27,13 +28,10 @@ import weakref
 from typing import TYPE_CHECKING, Callable, Optional, Protocol
 
 import torch
-from torch.autograd import Variable
 
 if TYPE_CHECKING:
     from .precision import LossScaler
     from .reduce import GradReducer
-    from .sharded import ShardedParams
-    from .stages import StagePolicy
 
 
 class LoopEngine(Protocol):
@@ -42,10 +40,7 @@ class LoopEngine(Protocol):
 
     optimizer: torch.optim.Optimizer
     loss_scaler: "Optional[LossScaler]"
-    policy: "StagePolicy"
-    sharded: "Optional[ShardedParams]"  # stage 3: the units (None below stage 3)
     reducer: "GradReducer"              # the backward's gradient reduction
-    in_no_sync: bool                    # inside engine.no_sync(): gradients stay local
 
     def zero_grad(self, set_to_none: bool = True) -> None: ...
     def update_parameters(self, count_micro_step: bool) -> None: ...
@@ -56,7 +51,6 @@ class PlainLoop:
 
     def __init__(self, engine: LoopEngine) -> None:
         self._engine = weakref.ref(engine)
-        self.active = False             # a plain backward is running
         self.local_grads = False        # stages 0-1: gradients accumulated, not yet reduced
         self.backward_seen = False      # a plain backward ran since the last update
         self.scaled = False             # engine.scale(loss) was called since the last update
@@ -85,28 +79,14 @@ class PlainLoop:
         opt.step = types.MethodType(step, opt)
         opt.zero_grad = types.MethodType(zero_grad, opt)
 
-    def begin(self) -> None:
-        """A backward the engine did not start has produced its first gradient."""
-        engine = self._engine()
-        self.active = True
+    def began(self) -> None:
+        """A plain backward began (``Backward``)."""
         self.backward_seen = True
-        engine.reducer.begin(engine.policy.reduce_every_micro_batch and not engine.in_no_sync)
-        Variable._execution_engine.queue_callback(self.end)
 
-    def end(self) -> None:
-        """Autograd finished that backward: finish its reductions, release stage-3 units."""
-        engine = self._engine()
-        if engine is None:
-            return
-        try:
-            if engine.reducer.reducing:
-                engine.reducer.finish()
-            else:
-                self.local_grads = True
-            if engine.sharded is not None:
-                engine.sharded.backward_ended()
-        finally:
-            self.active = False
+    def ended(self, kept_local: bool) -> None:
+        """That backward ended; ``kept_local``: it did not reduce (stages 0-1 between updates)."""
+        if kept_local:
+            self.local_grads = True
 
     def forget_local(self) -> None:
         """The engine reduced what backward passes accumulated (``reduce_accumulated``)."""

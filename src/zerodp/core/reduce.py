@@ -2,8 +2,9 @@
 
 A ``GradReducer`` owns everything one backward needs to reduce gradients: which parameters
 have handed in their gradient, which flat groups are complete, the collectives in flight and
-the stage 2-3 buckets they reduce. The engine (``engine.py``), the plain loop
-(``plain_loop.py``) and the ledger (``memory.py``) talk to it through its public methods:
+the stage 2-3 buckets they reduce. A backward pass (``backward.py``, the engine's and a plain
+loop's alike), the step (``engine.py``) and the ledger (``memory.py``) talk to it through its
+public methods:
 
 * ``begin(reducing)`` starts a backward, which reduces or only accumulates locally;
 * ``on_grad(t, i, param)`` takes a parameter's gradient when autograd has accumulated it;
@@ -67,6 +68,9 @@ class GradReducer:
         self.precision = precision
         self.overlap_comm = overlap_comm
         self._scatters = policy.reduction != "all_reduce" and reduce_scatter  # False: all-reduce
+        self._groups_of_unit: dict[int, list[int]] = {}  # stage-3 unit -> its groups' indices
+        for t, g in enumerate(self.groups):
+            self._groups_of_unit.setdefault(g.unit, []).append(t)
         self.peak_bucket_bytes = 0
         """The most bytes of stage 2-3 gradient buckets alive at once so far."""
         self._reducing = False
@@ -119,8 +123,8 @@ class GradReducer:
         gradient on some ranks."""
         if not self._reducing:
             return
-        for t, g in enumerate(self.groups):
-            if g.unit == unit_index and not self._ready[t]:
+        for t in self._groups_of_unit.get(unit_index, ()):
+            if not self._ready[t]:
                 self._complete_group(t)
 
     def finish(self) -> None:

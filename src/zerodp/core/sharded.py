@@ -188,8 +188,9 @@ class ShardedParams:
 
     def _unit_post_backward(self, unit: Unit) -> None:
         """One backward went through ``unit``; after the last one expected, :meth:`unit_done` and
-        the engine's callback (which hands the unit's gradients to the reducer)."""
+        the engine's callback (its ``Backward`` hands the unit's gradients to the reducer)."""
         if unit.backward_came():
+            self.unit_done(unit)  # the next units' all-gathers go first: backward waits for them
             self._on_unit_done(unit)
 
     def install_external(self, module: nn.Module, units: "list[Unit]") -> list:

@@ -58,6 +58,7 @@ from ..core.assemble import (
     user_param_groups,
 )
 from ..core.axes import DATA, ShardAxes
+from ..core.backward import Backward
 from ..core.collectives import SCRATCH, CommCounter
 from ..core.device import default_device, select, synchronize
 from ..core.gather import Unit, plan_units, register_params
@@ -87,18 +88,19 @@ def _grad_hook(engine: "ZeroEngine", t: int, i: int) -> Callable[[nn.Parameter],
     def hook(param: nn.Parameter) -> None:
         live = ref()
         if live is not None:
-            live._on_grad_ready(t, i, param)
+            live._backward.on_grad(t, i, param)
     return hook
 
 
 def _unit_done_hook(engine: "ZeroEngine") -> Callable[[Unit], None]:
-    """Called by a stage-3 unit's hooks once backward has gone through it (holds the engine weakly)."""
+    """Called by ``ShardedParams`` once backward has gone through a unit and it released the unit:
+    the engine's backward reduces its gradients (holds the engine weakly)."""
     ref = weakref.ref(engine)
 
     def done(unit: Unit) -> None:
         live = ref()
         if live is not None:
-            live._on_unit_backward_done(unit)
+            live._backward.on_unit_done(unit)
     return done
 
 
@@ -220,6 +222,10 @@ class ZeroEngine(EngineAPI, nn.Module):
             raise ConfigError("scheduler: a learning-rate scheduler needs an optimizer; add an 'optimizer' "
                               "block to the config or pass optimizer=")
         self._plain = PlainLoop(self)  # before the scheduler, which wraps optimizer.step
+        self._in_no_sync = False
+        # a backward pass, the engine's or a plain loss.backward() (core/backward.py)
+        me = weakref.ref(self)  # (no cycle through the engine: a model outliving it does not keep it)
+        self._backward = Backward(self.reducer, self.sharded, self.policy, lambda: me()._in_no_sync, self._plain)
         live.track(self)  # for zerodp.comm.log_summary() and the teardown at exit
         self.lr_scheduler = build_lr_scheduler(config, self.optimizer, lr_scheduler)
 
@@ -228,12 +234,10 @@ class ZeroEngine(EngineAPI, nn.Module):
         self.global_steps = 0
         self.micro_steps = 0
         self._global_grad_norm: Optional[float] = None
-        self._in_no_sync = False
         self._reduced_for_boundary = False
         self._timings: dict[str, list[float]] = defaultdict(list)
         self.monitor = None  # the metrics writer, set by zerodp.initialize (monitor.py)
         self.training_dataloader = None  # set by zerodp.initialize(training_data=...)
-        self._in_engine_backward = False
         self._boundary_override: Optional[bool] = None
         self._step_applied = False
         self._checkpointer = None
@@ -327,38 +331,15 @@ class ZeroEngine(EngineAPI, nn.Module):
         boundary = self.is_gradient_accumulation_boundary()
         if self.monitor is not None:
             self.monitor.on_backward(loss)
-        reducing = not self._in_no_sync and (self.policy.reduce_every_micro_batch or boundary)
-        self.reducer.begin(reducing)
         scaled = loss / self._gas if self._gas > 1 and scale_wrt_gas else loss
         if self.loss_scaler is not None:  # in fp32, so a 16-bit loss times the scale cannot overflow
             scaled = scaled.float() * self.loss_scaler.scale
         with (self._timed("backward"), released_parameters_named(self.read_watch),
-              parallel.enter_regions(self.parallelisms)):
-            self._in_engine_backward = True
-            try:
-                scaled.backward(retain_graph=retain_graph)
-            finally:
-                self._in_engine_backward = False
-            self.reducer.finish()
-            if self.sharded is not None:
-                self.sharded.backward_ended()
+              parallel.enter_regions(self.parallelisms), self._backward.run(boundary) as reducing):
+            scaled.backward(retain_graph=retain_graph)
         if reducing and boundary:
             self._reduced_for_boundary = True
         return loss
-
-    def _on_grad_ready(self, t: int, i: int, param: nn.Parameter) -> None:
-        """Parameter ``i`` of trainable group ``t`` has its gradient: hand it to the reducer
-        (first noticing a plain loop's ``loss.backward()``, which the engine did not start)."""
-        if not self._in_engine_backward and not self._plain.active:
-            self._plain.begin()
-        self.reducer.on_grad(t, i, param)
-
-    def _on_unit_backward_done(self, unit: Unit) -> None:
-        """Stage 3: backward has gone through ``unit``; reduce its gradients, release it."""
-        if not self._in_engine_backward and not self._plain.active:
-            self._plain.begin()
-        self.sharded.unit_done(unit)  # the next units' all-gathers go first: backward waits for them
-        self.reducer.on_unit_done(unit.index)
 
     @contextlib.contextmanager
     def parameters_held(self):
