@@ -36,7 +36,7 @@ def reduce_over_own_axis(group, stage: int) -> dict:
     x = torch.randn(5, 4, generator=torch.Generator().manual_seed(100 + me))
     policy = policy_for(stage)
     for g in flat:
-        g.allocate_gradients(keep_full=policy.full_gradient_buffer)
+        g.grads.allocate(keep_full=policy.full_gradient_buffer)
     reducer = GradReducer(axes, flat, policy, PrecisionPolicy.from_config(load_config({"train_batch_size": 4})),
                           reduce_scatter=True, overlap_comm=False)
     hooks = [p.register_post_accumulate_grad_hook(lambda p, t=t, i=i: reducer.on_grad(t, i, p))
@@ -58,7 +58,7 @@ def reduce_over_own_axis(group, stage: int) -> dict:
             local[s.offset:s.offset + s.numel] = own[s.name]
         comm.all_reduce_sum(local)
         out.append({"axis": g.axis, "partitions": g.partitions, "rank": g.rank,
-                    "ok": torch.allclose(g.grad_shard, g.shard_of(local), atol=1e-6)})
+                    "ok": torch.allclose(g.grads.shard, g.shard_of(local), atol=1e-6)})
     return {"groups": out}
 
 

@@ -172,7 +172,7 @@ def test_no_source_file_is_over_the_size_line():
 
 #: the classes whose private members stay inside core/ and engine/: the engine and the gradient reducer
 PRIVATE_OWNERS = {"engine/engine.py": ("ZeroEngine",), "engine/engine_api.py": ("EngineAPI",),
-                  "core/reduce.py": ("GradReducer",)}
+                  "engine/checkpoint_api.py": ("CheckpointAPI",), "core/reduce.py": ("GradReducer",)}
 
 
 def private_members(path: Path, classes: tuple[str, ...], methods: bool = True) -> set[str]:
@@ -446,3 +446,49 @@ def test_the_collective_checker_sees_calls(tmp_path):
                  "def f(t, comm):\n    dist.all_reduce(t)\n    torch.distributed.broadcast(t, 0)\n"
                  "    comm.all_reduce(t)\n    dist.new_group([0])\n", encoding="utf-8")
     assert collective_calls(f) == [(4, "dist.all_reduce"), (5, "torch.distributed.broadcast")]
+
+
+#: The most methods an internal class may have; a class that needs more is two ideas.
+MAX_METHODS = 30
+#: Public faces whose methods are another library's API, name for name.
+MANY_METHODS_FOR_NOW = {"engine/engine_api.py": "EngineAPI"}
+
+
+def test_no_internal_class_has_more_than_thirty_methods():
+    over = []
+    for path in sorted((SRC / PACKAGE).rglob("*.py")):
+        rel = path.relative_to(SRC / PACKAGE).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef) and MANY_METHODS_FOR_NOW.get(rel) != node.name:
+                n = sum(isinstance(x, (ast.FunctionDef, ast.AsyncFunctionDef)) for x in node.body)
+                if n > MAX_METHODS:
+                    over.append(f"{rel}: {node.name} has {n} methods")
+    assert not over, "\n".join(over)
+
+
+#: A flat group's parts (layout, parameter storage, gradients) set their own fields; others call methods.
+FLAT_GROUP_FILES = ("core/flat.py", "core/group_layout.py", "core/grads.py")
+
+
+def own_fields(paths: list[Path]) -> set[str]:
+    """Attributes the classes in ``paths`` assign on ``self`` or declare in their body (dataclass fields)."""
+    names = set()
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) \
+                    and isinstance(node.value, ast.Name) and node.value.id == "self":
+                names.add(node.attr)
+            elif isinstance(node, ast.ClassDef):
+                names |= {x.target.id for x in node.body if isinstance(x, ast.AnnAssign)
+                          and isinstance(x.target, ast.Name)}
+    return names
+
+
+def test_no_module_sets_a_flat_groups_fields():
+    pkg = SRC / PACKAGE
+    mine = own_fields([pkg / rel for rel in FLAT_GROUP_FILES])
+    others = own_fields([p for p in pkg.rglob("*.py") if p.relative_to(pkg).as_posix() not in FLAT_GROUP_FILES])
+    fields = mine - others  # names other classes also use for their own fields say nothing
+    assert {"holds", "optim", "counted_here", "shard_page", "full"} <= fields
+    found = findings(lambda path: state_writes(path, fields), lambda rel: rel in FLAT_GROUP_FILES)
+    assert not found, "\n".join(found)

@@ -35,7 +35,7 @@ def measure(group, stage: int, widths: list[int], gas: int = 1, steps: int = 2,
         engine.backward(engine(x).pow(2).mean())
         engine.step()
     assert engine.skipped_steps == 0
-    held = [g.grad_full if g.grad_full is not None else g.grad_shard for g in engine.trainable]
+    held = [g.grads.full if g.grads.full is not None else g.grads.shard for g in engine.trainable]
     out = {"memory": engine.memory_breakdown(), "comm": engine.comm_stats(),
            "layout": [(g.numel, g.padded_numel) for g in engine.flat_groups],
            # gradient memory still allocated after the update

@@ -50,7 +50,7 @@ def load_checkpoint(view: CheckpointView, load_dir, tag: Optional[str] = None, *
     """``engine.load_checkpoint``, given ``engine.checkpoint_view()``: returns ``(path,
     client_state)``, or ``(None, None)`` when ``tag`` is None and ``load_dir`` has no ``latest``
     file (DeepSpeed's behaviour, so a script can call it unconditionally to resume)."""
-    coord = Coordinator(view.coord_comm)
+    coord = Coordinator(view.ranks.coord_comm)
     err, tag_dir, src = None, None, None
     try:
         tag_dir = resolve_tag_dir(load_dir, tag)
@@ -65,7 +65,7 @@ def load_checkpoint(view: CheckpointView, load_dir, tag: Optional[str] = None, *
                               f"{[r for r, f in enumerate(found) if f]} only; the checkpoint directory "
                               "must be one directory every rank can read")
     if tag_dir is None:
-        if view.writer_rank == 0:  # the first start of a script that always tries to resume
+        if view.ranks.writer_rank == 0:  # the first start of a script that always tries to resume
             logger.info("no checkpoint to resume from: %s has no 'latest' file", load_dir)
         return None, None
     try:
@@ -75,6 +75,6 @@ def load_checkpoint(view: CheckpointView, load_dir, tag: Optional[str] = None, *
                                         load_module_only=load_module_only)
     finally:
         src.close()
-    if view.writer_rank == 0:
+    if view.ranks.writer_rank == 0:
         logger.info("loaded %s; resuming at step %d", src.describe(), view.global_steps)
     return str(tag_dir), client_state

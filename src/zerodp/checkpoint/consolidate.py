@@ -218,12 +218,12 @@ def consolidated_16bit_state_dict(view: CheckpointView, exclude_frozen_parameter
     in the module's state-dict order, on rank 0; an empty dict on the other ranks. Every rank
     must call it. Under a pipeline each stage's first rank puts its stage's part together and
     rank 0 receives them in stage order (a tied weight once, from its first stage)."""
-    first = view.stage_first
+    first = view.ranks.stage_first
     state = _stage_16bit_state_dict(view, first, exclude_frozen_parameters)
-    if view.pipe_size == 1 or not first:
+    if view.ranks.pipe_size == 1 or not first:
         return state
-    parts = view.pipe_comm.gather_objects(state)
-    if view.writer_rank != 0:
+    parts = view.ranks.pipe_comm.gather_objects(state)
+    if view.ranks.writer_rank != 0:
         return OrderedDict()
     whole: "OrderedDict[str, torch.Tensor]" = OrderedDict()
     for part in parts:
@@ -248,7 +248,7 @@ def _stage_16bit_state_dict(view: CheckpointView, first: bool, exclude_frozen_pa
         for i, (slot, p) in enumerate(zip(g.slots, g.params)):
             value = g.view(g.full, i).detach()
             if slot.tp is not None:  # every tensor rank's slice, put in its place
-                slices = view.tensor_comm.all_gather_list(value)
+                slices = view.ranks.tensor_comm.all_gather_list(value)
                 if first:
                     whole = torch.empty(slot.tp.shape, dtype=value.dtype)
                     for t, part in enumerate(slices):
@@ -279,10 +279,10 @@ def save_16bit_model(view: CheckpointView, save_dir, save_filename: str = "pytor
                      exclude_frozen_parameters: bool = False) -> bool:
     """Gather the full weights in the compute dtype and write them from rank 0 (see
     ``ZeroEngine.save_16bit_model``)."""
-    coord = Coordinator(view.coord_comm)
+    coord = Coordinator(view.ranks.coord_comm)
     state = consolidated_16bit_state_dict(view, exclude_frozen_parameters)
     err = None
-    if view.writer_rank == 0:
+    if view.ranks.writer_rank == 0:
         try:
             path = Path(save_dir)
             path.mkdir(parents=True, exist_ok=True)

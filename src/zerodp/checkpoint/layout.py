@@ -128,9 +128,9 @@ class RankPlan:
 
     def __init__(self, view: CheckpointView, *, exclude_frozen: bool = False) -> None:
         self.view, self.exclude_frozen = view, exclude_frozen
-        world, rank = view.dp_world_size, view.dp_rank
+        world, rank = view.ranks.dp_world_size, view.ranks.dp_rank
         self.dp_rank, self.dp_world = rank, world
-        self.rank, self.world = view.writer_rank, view.writer_count
+        self.rank, self.world = view.ranks.writer_rank, view.ranks.writer_count
         self.specs: list[TensorSpec] = []
         self._sources: dict[str, Any] = {}  # name -> tensor, or callable yielding parts
         self.extra_tensors: dict[str, torch.Tensor] = {}
@@ -140,7 +140,7 @@ class RankPlan:
         for g in view.flat_groups:
             if exclude_frozen and not g.trainable:
                 continue
-            if not g.tp_split and view.tp_rank != 0:  # the same on every tensor rank: rank 0 writes it
+            if not g.tp_split and view.ranks.tp_rank != 0:  # the same on every tensor rank: rank 0 writes it
                 continue
             if not g.counted_here:  # a weight tied across pipeline stages: its first stage writes it
                 continue
@@ -234,8 +234,8 @@ class RankPlan:
         """This pipeline stage's part of the index: its parameters (by the model's names), their
         pieces in the files of the stage's ranks, its aliases and buffers (see ``index_skeleton``)."""
         view, world, exclude_frozen = self.view, self.dp_world, self.exclude_frozen
-        tp_size = view.tp_size
-        base = view.pipe_rank * world * tp_size  # the stage's first file
+        tp_size = view.ranks.tp_size
+        base = view.ranks.pipe_rank * world * tp_size  # the stage's first file
         params: dict[str, dict] = {}
         for g in view.flat_groups:
             if exclude_frozen and not g.trainable:
@@ -291,7 +291,7 @@ class RankPlan:
             for key in merged:
                 merged[key].update(part[key])
         return {"format": FORMAT, "version": VERSION, "world_size": self.world,
-                "grid": {"pipe": view.pipe_size, "data": self.dp_world, "tensor": view.tp_size},
+                "grid": {"pipe": view.ranks.pipe_size, "data": self.dp_world, "tensor": view.ranks.tp_size},
                 "zero_stage": view.zero_stage, "compute_dtype": view.compute_dtype, **merged}
 
     def _add_unsharded(self) -> None:
@@ -301,7 +301,7 @@ class RankPlan:
                       if not (self.exclude_frozen and not p.requires_grad)}
         self.buffers = persistent_buffers(self.view.module)
         self.packed = {} if self.exclude_frozen else self.view.packed_states()  # packed weights are frozen
-        if self.view.stage_first:
+        if self.view.ranks.stage_first:
             for name, p in self.loose.items():
                 self.add_whole(f"extra.{name}.value", p.detach())
             for name, b in self.buffers.items():

@@ -300,8 +300,8 @@ def _match_names(view: CheckpointView, src: Source, strict: bool) -> dict[str, s
             continue
         mapping[n] = found
     used = set(mapping.values())
-    if view.pipe_size > 1:  # the other pipeline stages load the rest
-        used = {n for stage in view.pipe_comm.all_gather_objects(sorted(used)) for n in stage}
+    if view.ranks.pipe_size > 1:  # the other pipeline stages load the rest
+        used = {n for stage in view.ranks.pipe_comm.all_gather_objects(sorted(used)) for n in stage}
     unexpected = [n for n in src.params if n not in used]
     if wrong or (strict and (missing or unexpected)):
         parts = []
@@ -413,7 +413,7 @@ def load_into_engine(view: CheckpointView, src: Source, *, strict: bool = True,
                      load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                      load_module_only: bool = False) -> dict:
     """Fill the engine behind ``view`` from ``src`` (see module docstring); returns the client state."""
-    coord = Coordinator(view.coord_comm)
+    coord = Coordinator(view.ranks.coord_comm)
     with_optimizer = load_optimizer_states and not load_module_only
     err, plan = None, None
     try:
@@ -422,8 +422,8 @@ def load_into_engine(view: CheckpointView, src: Source, *, strict: bool = True,
             _check_optimizer(view, src)
         plan = _read_plan(view, src, mapping, with_optimizer)
         rng = None
-        if not load_module_only and isinstance(src, ZerodpSource) and src.world_size == view.writer_count:
-            rng = src.rank_record(view.writer_rank).get("rng")
+        if not load_module_only and isinstance(src, ZerodpSource) and src.world_size == view.ranks.writer_count:
+            rng = src.rank_record(view.ranks.writer_rank).get("rng")
     except Exception as e:  # noqa: BLE001 - reported to every rank
         err = e
     coord.agree(err, f"loading {src.describe()}")
@@ -464,10 +464,10 @@ def load_into_engine(view: CheckpointView, src: Source, *, strict: bool = True,
         view.restore_step_counters(st.global_steps, st.global_steps * view.gradient_accumulation_steps,
                                    st.skipped_steps)
         if rng is not None:
-            restore_rng(rng, lambda key: src.file(rank_file(view.writer_rank)).read(key))
-        elif view.writer_rank == 0 and isinstance(src, ZerodpSource):
+            restore_rng(rng, lambda key: src.file(rank_file(view.ranks.writer_rank)).read(key))
+        elif view.ranks.writer_rank == 0 and isinstance(src, ZerodpSource):
             logger.info("RNG states not restored: the checkpoint was written by %d ranks, this run has %d",
-                        src.world_size, view.writer_count)
+                        src.world_size, view.ranks.writer_count)
         loader = view.training_dataloader
         if src.data_loader is not None and hasattr(loader, "load_state_dict"):
             loader.load_state_dict(src.data_loader)

@@ -353,7 +353,7 @@ class Checkpointer:
         view = self.view
         save_dir = Path(save_dir)
         tag = str(tag) if tag is not None else f"global_step{view.global_steps}"
-        coord = Coordinator(view.coord_comm)
+        coord = Coordinator(view.ranks.coord_comm)
         err, plan, index = None, None, None
         try:
             check_tag(tag)
@@ -370,10 +370,10 @@ class Checkpointer:
             raise CheckpointError(f"save_checkpoint: the ranks passed different tags (this rank: {tag!r}); "
                                   "pass the same tag on every rank, or none")
         stages = None  # with pipeline stages, each stage's part of the index, gathered at the first stage
-        if view.pipe_size > 1 and view.stage_first:
-            stages = view.pipe_comm.all_gather_objects(plan.stage_skeleton())
+        if view.ranks.pipe_size > 1 and view.ranks.stage_first:
+            stages = view.ranks.pipe_comm.all_gather_objects(plan.stage_skeleton())
         err = None
-        if view.writer_rank == 0:
+        if view.ranks.writer_rank == 0:
             try:
                 index = self._index(plan, tag, client_state, stages)
                 save_dir.mkdir(parents=True, exist_ok=True)
@@ -390,7 +390,7 @@ class Checkpointer:
         if self.staging is None:
             self.staging = Staging()
         job = _Job(plan, index, save_dir, tag, save_latest, staging=self.staging)
-        background = Coordinator(view.coord_comm, separate=True)
+        background = Coordinator(view.ranks.coord_comm, separate=True)
         self._what = str(save_dir / tag)
 
         def run() -> None:

@@ -66,7 +66,8 @@ def user_param_groups(module: nn.Module, model_parameters, optimizer,
 def build_flat_groups(module: nn.Module, groups: list[dict], unit_of: dict[int, int], bucket_numel: int,
                       axes: ShardAxes, sharding: bool, device: torch.device,
                       tp_of: Optional[dict] = None, separate: Optional[dict[int, str]] = None,
-                      axis_of: Optional[dict[int, str]] = None) -> list[FlatGroup]:
+                      axis_of: Optional[dict[int, str]] = None,
+                      counted_elsewhere: frozenset = frozenset()) -> list[FlatGroup]:
     """Cut parameters into flat groups of at most ``reduce_bucket_size`` elements.
 
     Parameters are taken in reverse registration order (roughly the order backward
@@ -77,7 +78,9 @@ def build_flat_groups(module: nn.Module, groups: list[dict], unit_of: dict[int, 
     groups are numbered by the position of their last parameter, so that group order
     is the order in which they are expected to become ready. Each group shards over the axis
     ``axis_of`` names for its parameters (id -> axis name; ``DATA`` for those it does not name)
-    when ``sharding`` (stages 1-3), over one partition otherwise.
+    when ``sharding`` (stages 1-3), over one partition otherwise. A group holding a parameter in
+    ``counted_elsewhere`` (ids; a weight tied across pipeline stages) leaves its gradient norm
+    and checkpoint to another rank.
     """
     group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
     tp_of, separate, axis_of = tp_of or {}, separate or {}, axis_of or {}
@@ -112,7 +115,8 @@ def build_flat_groups(module: nn.Module, groups: list[dict], unit_of: dict[int, 
         return dict(axis=axis, partitions=comm.world_size, rank=comm.rank) if sharding \
             else dict(axis=axis, partitions=1, rank=0)
     return [FlatGroup(i, bucket, param_group=max(key[0], 0), trainable=key[2], unit=key[3],
-                      device=device, tp_of=tp_of, **placed(key[6]))
+                      device=device, tp_of=tp_of, **placed(key[6]),
+                      counted_here=not any(id(p) in counted_elsewhere for _, p in bucket))
             for i, (_, key, bucket) in enumerate(closed)]
 
 

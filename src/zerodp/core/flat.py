@@ -1,168 +1,71 @@
-"""FlatGroup: parameters laid out in one padded buffer that splits into equal shards.
+"""FlatGroup: parameters stored in one padded buffer that splits into equal shards.
 
-A flat group holds parameters that share an optimizer param group, a dtype and
-whether they are trained. Their elements are laid out back to back in one 1-D buffer, padded
-so that it splits into ``partitions`` equal shards whose size is a multiple of 16 bytes.
-Rank ``r`` owns elements ``[r * S, (r + 1) * S)``. While the full buffer exists, every
-parameter's ``.data`` is a view into it. At stage 3 the shard persists in a buffer of its
-own, and the full buffer exists only while the group is gathered; the shard's storage is
-freed meanwhile (its values are in ``full``) and refilled on release.
+A flat group holds parameters that share an optimizer param group, a dtype, whether they are
+trained, a stage-3 unit and a shard axis. It is three things, one per part:
 
-The group also keeps, as the stage policy decides (see ``stages.py``):
+* its layout (``GroupLayout``, ``group_layout.py``, which it extends): where each parameter
+  lies in the padded buffer, this rank's shard and the ``pieces`` of parameters in it, and what
+  a checkpoint's index records;
+* the parameters' storage (this class): while the full buffer exists, every parameter's
+  ``.data`` is a view into it. At stage 3 the shard persists in a buffer of its own, and the
+  full buffer exists only while the group is gathered (``axes.ShardAxes.gather`` drives
+  ``open_for_gather`` / ``gathering`` / ``wait_gathered``; ``release`` ends it); the shard's
+  storage is freed meanwhile (its values are in ``full``) and refilled on release;
+* its gradients (``grads``, a ``GroupGrads``, ``grads.py``): a full gradient buffer or a
+  shard, as the stage policy decides.
 
-* ``grad_full``: a full-size gradient buffer (stages 0-1), whose views are the
-  parameters' ``.grad``;
-* ``grad_shard``: this rank's gradient shard (a view into ``grad_full`` at stages 0-1; at
-  stages 2-3 its own buffer, made by the first reduction of a step and freed after the
-  update, so between steps no gradient memory is held, as with ``zero_grad(set_to_none=True)``);
-* ``pieces``: where each parameter that overlaps this rank's shard lies in it. What the
-  optimizer updates over them (an fp32 master, one leaf tensor per piece) is the group's
-  ``optim`` (``optim_shard.py``).
-
-``index()`` records where every parameter lives (group, offset, shape), which is what
-world-size-independent checkpoints need.
+What the optimizer updates over the pieces (an fp32 master, one leaf tensor per piece) is the
+group's ``optim`` (``optim_shard.py``), attached by :meth:`FlatGroup.attach_optimizer`.
 
 Under tensor parallelism a parameter is a ``DTensor`` whose local tensor is this rank's slice of
-the layer (``parallel/tensor.py``). The group lays out the local tensors: each parameter's
-local tensor is the view into the buffer, and its gradient arrives as a ``DTensor`` whose local
-tensor is what is reduced. Slots hold local shapes; ``tp_split`` says whether the group's
-parameters are split over the tensor-parallel ranks (each rank holds different values) or
-replicated (every rank the same), which the gradient norm needs.
+the layer (``parallel/tensor.py``; the helpers are in ``dtensor.py``). The group lays out the
+local tensors: each parameter's local tensor is the view into the buffer, and its gradient
+arrives as a ``DTensor`` whose local tensor is what is reduced. Slots hold local shapes;
+``tp_split`` says whether the group's parameters are split over the tensor-parallel ranks (each
+rank holds different values) or replicated (every rank the same), which the gradient norm needs.
 """
 from __future__ import annotations
 
 import contextlib
-import sys
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
+from .dtensor import bind_local, grad_like, grad_local, is_dtensor, local_tensor, set_param_data  # noqa: F401
+from .grads import GroupGrads
+from .group_layout import ALIGN_BYTES, GroupLayout, Piece, Slot  # noqa: F401
 from .init_shards import ZeroParamStatus, full_shape, has_no_values
 from .packed import empty_like_packed, is_packed
 
-ALIGN_BYTES = 16
 
-def is_dtensor(t: Any) -> bool:
-    """Whether ``t`` is a ``DTensor``. torch's DTensor package is not imported for this (it costs
-    about 40 MiB of memory per process): while nothing imported it, no tensor is one."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(t, module.DTensor)
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """This rank's tensor of ``t``: the local tensor of a ``DTensor``, else ``t`` itself."""
-    return t._local_tensor if is_dtensor(t) else t
-
-
-def bind_local(p: nn.Parameter, view: torch.Tensor) -> None:
-    """Make ``view`` the storage of ``p``'s values (its local tensor, for a ``DTensor``)."""
-    if is_dtensor(p):
-        p._local_tensor = view
-    else:
-        p.data = view
-
-
-def grad_local(p: nn.Parameter) -> torch.Tensor:
-    """This rank's part of ``p.grad``, laid out as ``p``'s local tensor: a ``DTensor`` gradient that
-    autograd produced in another layout than the parameter's (an embedding split over the
-    vocabulary gets a replicated gradient) is redistributed to the parameter's first."""
-    g = p.grad
-    if is_dtensor(g):
-        if g.placements != p.placements:
-            g = g.redistribute(p.device_mesh, p.placements)
-        return g._local_tensor
-    return g
-
-
-def set_param_data(p: nn.Parameter, new: torch.Tensor) -> None:
-    """``p.data = new``, which for a ``DTensor`` changes the wrapper (its dtype) but not the local
-    tensor it wraps: that is set too."""
-    p.data = new
-    if is_dtensor(p):
-        p._local_tensor = new._local_tensor
-
-
-def grad_like(p: nn.Parameter, local: torch.Tensor) -> torch.Tensor:
-    """A gradient for ``p`` whose values are ``local`` (a ``DTensor`` laid out as ``p`` is)."""
-    if is_dtensor(p):
-        from torch.distributed.tensor import DTensor
-        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
-                                  shape=p.shape, stride=p.stride())
-    return local
-
-
-@dataclass(frozen=True)
-class Slot:
-    """Where one parameter lives inside its group's full buffer (its local tensor's elements, and
-    under tensor parallelism ``tp``: which slice of the unsplit parameter that is)."""
-
-    name: str
-    offset: int
-    numel: int
-    shape: torch.Size
-    tp: Optional[Any] = None  # parallel.tensor.TPSlice
-
-
-@dataclass(frozen=True)
-class Piece:
-    """The part of one parameter inside this rank's shard.
-
-    ``slot`` indexes ``FlatGroup.slots``; ``[shard_lo, shard_hi)`` are offsets within the
-    shard and ``param_lo`` is the offset of the same elements within the flattened parameter.
-    """
-
-    slot: int
-    shard_lo: int
-    shard_hi: int
-    param_lo: int
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return (n + multiple - 1) // multiple * multiple
-
-
-class FlatGroup:
-    """One contiguous, padded, shardable buffer of parameters (see module docstring)."""
+class FlatGroup(GroupLayout):
+    """One contiguous, padded, shardable buffer of parameters (see module docstring): its layout
+    (``GroupLayout``), the parameters' storage, and its gradients (``grads``, ``GroupGrads``)."""
 
     def __init__(self, index: int, named_params: list[tuple[str, nn.Parameter]], *,
                  param_group: int, trainable: bool, partitions: int,
                  unit: int = 0, rank: int, device: torch.device, tp_of: Optional[dict] = None,
-                 axis: str = "data") -> None:
+                 axis: str = "data", counted_here: bool = True) -> None:
         if not named_params:
             raise ValueError("a flat group needs at least one parameter")
         dtypes = {p.dtype for _, p in named_params}
         if len(dtypes) != 1:
             raise ValueError(f"flat group {index} mixes dtypes {sorted(map(str, dtypes))}")
-        self.index = index
         self.param_group = param_group
         self.params = [p for _, p in named_params]
-        self.dtype = self.params[0].dtype
         tp_of = tp_of or {}
         self.tp_split = id(self.params[0]) in tp_of
-        self.counted_here = True  # in this rank's share of the gradient norm and its checkpoint file
         if any((id(p) in tp_of) != self.tp_split for p in self.params):
             raise ValueError(f"flat group {index} mixes tensor-parallel split and replicated parameters")
+        # a zero.Init slice's data is empty: its shape is ds_shape
+        super().__init__(index, [(name, full_shape(local_tensor(p)), tp_of.get(id(p))) for name, p in named_params],
+                         self.params[0].dtype, partitions=partitions, rank=rank, axis=axis)
+        self.counted_here = counted_here  # in this rank's share of the gradient norm and its checkpoint file
         self.trainable = trainable
         self.unit = unit
         self.device = device
         self._empty = torch.empty(0, dtype=self.dtype, device=device)  # the data of released parameters
-        self.axis = axis  # the grid axis it shards and reduces over (``axes.py``): partitions are its ranks
-        self.partitions, self.rank = partitions, rank
-
-        self.slots: list[Slot] = []
-        offset = 0
-        for name, p in named_params:
-            shape = full_shape(local_tensor(p))  # a zero.Init slice's data is empty: its shape is ds_shape
-            self.slots.append(Slot(name, offset, shape.numel(), shape, tp_of.get(id(p))))
-            offset += shape.numel()
-        self.numel = offset
-        align = max(1, ALIGN_BYTES // torch.empty((), dtype=self.dtype).element_size())
-        self.shard_numel = _round_up(-(-self.numel // partitions), align)
-        self.padded_numel = self.shard_numel * partitions
-        self.shard_lo = rank * self.shard_numel
-        self.shard_hi = self.shard_lo + self.shard_numel
 
         self._own_shard: Optional[torch.Tensor] = None  # stage 3: this rank's persistent shard
         self._shard_in_full = False  # stage 3, gathered: the own shard's values are only in full
@@ -189,11 +92,7 @@ class FlatGroup:
                     self.full[slot.offset:slot.offset + slot.numel].copy_(local_tensor(p).detach().reshape(-1))
             self.bind_params_to_full()
 
-        self.pieces: list[Piece] = self.pieces_in(self.shard_lo, self.shard_hi)
-
-        self.grad_full: Optional[torch.Tensor] = None
-        self.grad_shard: Optional[torch.Tensor] = None
-        self.grad_dtype: torch.dtype = self.dtype
+        self.grads = GroupGrads(self)
         self.shard_page: Optional[Any] = None   # stage-3 parameter offload to disk: the shard's file
         self.optim: Optional[Any] = None  # what the optimizer updates (``optim_shard.OptimizerShard``)
 
@@ -226,27 +125,7 @@ class FlatGroup:
         self._own_shard.copy_(self.shard_of(self.full))
         self.release()
 
-    def pieces_in(self, lo: int, hi: int) -> list[Piece]:
-        """The parts of parameters inside elements [lo, hi) of the full buffer, with offsets
-        relative to ``lo`` (this rank's shard, or any other range: checkpoints use this to
-        describe every rank's shard)."""
-        pieces = []
-        for i, slot in enumerate(self.slots):
-            a, b = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
-            if a < b:
-                pieces.append(Piece(i, a - lo, b - lo, a - slot.offset))
-        return pieces
-
     # -- views ------------------------------------------------------------------------
-
-    def view(self, buffer: torch.Tensor, slot: int) -> torch.Tensor:
-        """Parameter ``slot``'s elements in a full-size ``buffer``, shaped like the parameter."""
-        s = self.slots[slot]
-        return buffer[s.offset:s.offset + s.numel].view(s.shape)
-
-    def shard_of(self, buffer: torch.Tensor) -> torch.Tensor:
-        """This rank's shard of a full-size ``buffer`` (a view)."""
-        return buffer[self.shard_lo:self.shard_hi]
 
     @property
     def shard(self) -> torch.Tensor:
@@ -260,6 +139,31 @@ class FlatGroup:
 
     # -- stage 3: parameters persist as a shard, gathered around use ---------------------
 
+    # -- what other parts attach --------------------------------------------------------------
+
+    def attach_optimizer(self, optim: Any) -> None:
+        """What the optimizer updates over this group's pieces (``optim_shard.OptimizerShard``)."""
+        self.optim = optim
+
+    def attach_secondary(self, copy: Any) -> None:
+        """hpZ: the group's secondary copy (``secondary.SecondaryCopy``), gathered within a few ranks."""
+        self.secondary = copy
+
+    def attach_shard_page(self, page: Any) -> None:
+        """Stage-3 parameter offload to disk: the file the shard lives in (``offload/params.py``)."""
+        self.shard_page = page
+
+    def hold(self) -> None:
+        """A ``GatheredParameters`` context holds the gathered group: a release waits for its end."""
+        self.holds += 1
+
+    def unhold(self, release: bool) -> None:
+        """That context ended; once no context holds the group, release it if a release came
+        meanwhile or ``release`` (the context gathered it)."""
+        self.holds -= 1
+        if not self.holds and (self.release_pending or release):
+            self.release()
+
     def shard_parameters(self) -> None:
         """Keep only this rank's shard in a buffer of its own, and release ``full``.
 
@@ -269,12 +173,6 @@ class FlatGroup:
         """
         self._own_shard = self.shard_of(self.full).clone()
         self.release()
-
-    def _mark(self, status: ZeroParamStatus) -> None:
-        """Keep ``param.ds_status`` (DeepSpeed's; TRL reads it) true of a sharded group."""
-        if self.shards_parameters:
-            for p in self.params:
-                p.ds_status = status
 
     def offload_shard(self, pin: bool) -> None:
         """Keep this rank's shard in host memory (stage 3 ``offload_param``; page-locked with
@@ -323,7 +221,7 @@ class FlatGroup:
             self._assigned = False
         self.full.untyped_storage().resize_(0)
         self._bind_params_released()
-        self._mark(ZeroParamStatus.NOT_AVAILABLE)
+        _mark(self, ZeroParamStatus.NOT_AVAILABLE)
 
     def _bind_params_released(self) -> None:
         """Outside a gather a parameter's data is empty (``torch.Size([0])``) on the real device, as
@@ -377,7 +275,7 @@ class FlatGroup:
         the secondary copy once it is done."""
         self._pending = work
         self._keep_secondary = self.secondary is not None and not self.secondary.valid
-        self._mark(ZeroParamStatus.AVAILABLE)
+        _mark(self, ZeroParamStatus.AVAILABLE)
         if self._keep_secondary and work.done:
             self.wait_gathered()
 
@@ -474,70 +372,6 @@ class FlatGroup:
         else:
             self._own_shard.copy_(self.shard_of(self.full))
 
-    # -- gradients --------------------------------------------------------------------
-
-    def allocate_gradients(self, keep_full: bool, dtype: Optional[torch.dtype] = None) -> None:
-        """Allocate gradient storage in ``dtype`` (default: the parameters'): a full buffer
-        whose views are ``p.grad`` (stages 0-1; views only where the dtypes match, as torch
-        requires), or only this rank's shard (stages 2-3)."""
-        self.grad_dtype = dtype or self.dtype
-        if keep_full:
-            self.grad_full = torch.zeros(self.padded_numel, dtype=self.grad_dtype, device=self.device)
-            self.grad_shard = self.shard_of(self.grad_full)
-            self._bind_grads_to_full()
-
-    @property
-    def grad_bytes(self) -> int:
-        """Bytes of gradient storage this group holds during a step (the full buffer, or the
-        shard whether or not it is allocated right now)."""
-        numel = self.padded_numel if self.grad_full is not None else self.shard_numel
-        return numel * self.grad_dtype.itemsize
-
-    def claim_grad_shard(self, dtype: torch.dtype) -> Optional[torch.Tensor]:
-        """The gradient shard, newly allocated for the step's first reduction to land in
-        (stages 2-3; the reduce-scatter writes it, no copy); None when the shard already
-        holds an earlier reduction or ``dtype`` is not the gradients' (then the reduced part
-        goes through ``add_to_grad_shard``). The buckets themselves are the reducer's (``reduce.py``)."""
-        if self.grad_full is not None or self.grad_shard is not None or dtype != self.grad_dtype:
-            return None
-        self.grad_shard = torch.empty(self.shard_numel, dtype=self.grad_dtype, device=self.device)
-        return self.grad_shard
-
-    def add_to_grad_shard(self, reduced: torch.Tensor) -> None:
-        """Add this rank's reduced part of a gradient bucket into ``grad_shard`` (stages 2-3),
-        allocating the shard with the first one of a step."""
-        if self.grad_shard is None:
-            self.grad_shard = torch.empty(self.shard_numel, dtype=self.grad_dtype, device=self.device)
-            self.grad_shard.copy_(reduced)
-        else:
-            self.grad_shard.add_(reduced)
-
-    def _bind_grads_to_full(self) -> None:
-        """Make every ``p.grad`` a view of ``grad_full`` so autograd accumulates into it (when
-        gradients are kept in another dtype, ``p.grad`` is folded in and dropped instead)."""
-        same = self.grad_full.dtype == self.dtype
-        for i, p in enumerate(self.params):
-            if not same:
-                p.grad = None
-            elif p.grad is None or local_tensor(p.grad).data_ptr() != self.view(self.grad_full, i).data_ptr():
-                p.grad = grad_like(p, self.view(self.grad_full, i))
-
-    def zero_gradients(self, keep_views: bool = False) -> None:
-        """Clear the gradients: ``p.grad`` is None afterwards at every stage, as in DeepSpeed (code
-        that reads ``.grad`` after a step, such as the Hugging Face Trainer's norm over mixed
-        ``DTensor`` meshes, sees no gradient rather than zeros). A full gradient buffer is zeroed and
-        kept: the next backward's gradients are added into it and ``.grad`` becomes its view again
-        (at once with ``keep_views``: ``zero_grad(set_to_none=False)``)."""
-        if self.grad_full is not None:
-            self.grad_full.zero_()
-            if keep_views:
-                self._bind_grads_to_full()
-                return
-        else:
-            self.grad_shard = None  # the next step's first reduction allocates it again
-        for p in self.params:
-            p.grad = None
-
     # -- disk offload --------------------------------------------------------------------
 
     @contextlib.contextmanager
@@ -572,8 +406,9 @@ class FlatGroup:
         a stage-3 gather keeps the shard's own storage instead of moving its values into ``full``."""
         self._shard_being_copied = on
 
-    def index_entries(self) -> dict[str, dict]:
-        """Parameter name -> where it lives: group, offset, numel, shape."""
-        return {s.name: {"group": self.index, "offset": s.offset, "numel": s.numel,
-                         "shape": tuple(s.shape), **({"tp": s.tp.as_dict()} if s.tp is not None else {})}
-                for s in self.slots}
+
+def _mark(g: FlatGroup, status: ZeroParamStatus) -> None:
+    """Keep ``param.ds_status`` (DeepSpeed's; TRL reads it) true of a sharded group."""
+    if g.shards_parameters:
+        for p in g.params:
+            p.ds_status = status

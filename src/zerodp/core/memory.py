@@ -84,7 +84,7 @@ def measure_model_states(engine: MeasuredEngine) -> dict[str, int]:
         if g.secondary is not None:
             out["secondary_parameters"] += g.secondary.nbytes
     for g in engine.trainable:
-        out["gradients"] += g.grad_bytes
+        out["gradients"] += g.grads.nbytes
         if master_of(g) is not None:
             out["master_weights"] += _nbytes(master_of(g))  # offloaded to disk: its size in the file
     for group in engine.optimizer.param_groups:

@@ -36,7 +36,7 @@ class OptimizerShard:
         values = master if master is not None else group.shard
         self.leaves: list[nn.Parameter] = [nn.Parameter(values[pc.shard_lo:pc.shard_hi], requires_grad=True)
                                            for pc in group.pieces]
-        group.optim = self
+        group.attach_optimizer(self)
 
     @classmethod
     def on_device(cls, group: FlatGroup, keep_master: bool) -> "OptimizerShard":

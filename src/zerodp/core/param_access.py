@@ -150,7 +150,7 @@ def _reduced_grad(f: _Found) -> Optional[torch.Tensor]:
     piece, or outside the window between backward and step)."""
     if f.pc is None or not _has_grads(f):
         return None
-    return f.part(f.g.grad_shard).to(torch.float32, copy=True).mul_(1.0 / f.access.grad_divisor)
+    return f.part(f.g.grads.shard).to(torch.float32, copy=True).mul_(1.0 / f.access.grad_divisor)
 
 
 def _over_replicas(f: _Found, t: torch.Tensor) -> torch.Tensor:
@@ -160,7 +160,7 @@ def _over_replicas(f: _Found, t: torch.Tensor) -> torch.Tensor:
 
 
 def _has_grads(f: _Found) -> bool:
-    return f.access.gradients_reduced and f.g.grad_shard is not None
+    return f.access.gradients_reduced and f.g.grads.shard is not None
 
 
 def _write_fp32(f: _Found, part: torch.Tensor) -> None:
@@ -243,7 +243,7 @@ def safe_set_full_grad(param: torch.Tensor, value: torch.Tensor) -> None:
         raise RuntimeError("safe_set_full_grad: no reduced gradient to set (call it after backward and before step)")
     if f.pc is not None:
         with torch.no_grad():
-            f.part(f.g.grad_shard).copy_(f.of_full(_full_value(f, value)) * f.access.grad_divisor)
+            f.part(f.g.grads.shard).copy_(f.of_full(_full_value(f, value)) * f.access.grad_divisor)
 
 
 def safe_update_full_grad_vectorized(param_list: list[torch.Tensor],

@@ -120,7 +120,7 @@ def _gathered_in_engines(params: list, modifier_rank: Optional[int]):
         axes.gather(g)  # or, for a prefetch in flight, wait for it
     held = [g for g, _, sharded, _ in entries if sharded]
     for g in held:  # released when the context ends, not by a forward run inside it
-        g.holds += 1
+        g.hold()
     try:
         yield
     finally:
@@ -137,7 +137,4 @@ def _gathered_in_engines(params: list, modifier_rank: Optional[int]):
                     if g.optim is not None:
                         g.optim.refresh()
         for g in held:
-            g.holds -= 1
-        for g in held:
-            if not g.holds and (g.release_pending or any(g is h for h in gathered_here)):
-                g.release()
+            g.unhold(release=any(g is h for h in gathered_here))

@@ -148,8 +148,8 @@ class GradReducer:
         every replica group), once per optimizer step. Nothing without replicas."""
         if self.replicas is None or self.replicas.world_size == 1:
             return
-        handles = [self.replicas.all_reduce_sum(g.grad_shard, async_op=True)
-                   for g in self.groups if g.grad_shard is not None and g.axis == DATA]
+        handles = [self.replicas.all_reduce_sum(g.grads.shard, async_op=True)
+                   for g in self.groups if g.grads.shard is not None and g.axis == DATA]
         for h in handles:
             h.wait()
 
@@ -180,9 +180,9 @@ class GradReducer:
         """Where group ``t``'s gradients are gathered before reduction."""
         g = self.groups[t]
         if self.policy.full_gradient_buffer:
-            return g.grad_full
+            return g.grads.full
         if t not in self._buckets:
-            self._buckets[t] = _new_bucket(g, self.precision.comm_dtype(g.grad_dtype))
+            self._buckets[t] = _new_bucket(g, self.precision.comm_dtype(g.grads.dtype))
             self.peak_bucket_bytes = max(self.peak_bucket_bytes, self.bucket_bytes())
         return self._buckets[t]
 
@@ -222,16 +222,16 @@ class GradReducer:
             else:  # reduced in another dtype: through a temporary copy
                 tmp = buf.to(comm_dtype)
                 self._handles.append(collective(tmp, async_op=self.overlap_comm,
-                                                then=lambda g=g, tmp=tmp: g.grad_shard.copy_(g.shard_of(tmp))))
+                                                then=lambda g=g, tmp=tmp: g.grads.shard.copy_(g.shard_of(tmp))))
             return
 
         # stages 2-3: the step's first reduction of a group lands in its gradient shard; a later
         # one (accumulation) is added into it from this rank's part of the bucket; then the bucket is freed
-        out = g.claim_grad_shard(buf.dtype) if self._scatters else None
+        out = g.grads.claim_shard(buf.dtype) if self._scatters else None
 
         def then(g=g, buf=buf, t=t, out=out):
             if out is None:
-                g.add_to_grad_shard(g.shard_of(buf))
+                g.grads.add_to_shard(g.shard_of(buf))
             self._buckets.pop(t, None)
         extra = {} if out is None else {"out": out}
         # bound the reductions in flight (and the scratch buffers they hold): wait for the oldest first
@@ -246,7 +246,7 @@ def _fold_grad_into_full(g: FlatGroup, slot: int) -> None:
     ``.grad`` already is its view of the buffer nothing moves; otherwise it is added in (cast to
     the buffer's dtype) and ``.grad`` becomes that view again (same dtype) or is dropped."""
     p = g.params[slot]
-    target = g.view(g.grad_full, slot)
+    target = g.view(g.grads.full, slot)
     if p.grad is None or local_tensor(p.grad).data_ptr() == target.data_ptr():
         return
     target.add_(grad_local(p))

@@ -81,7 +81,7 @@ class ShardedParams:
         if secondary is not None:  # hpZ: each group's secondary copy, gathered within these ranks
             within = secondary.using(self.scratch)
             for g in groups:
-                g.secondary = SecondaryCopy(within, g.padded_numel, pin=True)
+                g.attach_secondary(SecondaryCopy(within, g.padded_numel, pin=True))
         self.units = [Unit(u, name, mod, [g for g in groups if g.unit == u], self.axes)
                       for u, (name, mod) in enumerate(unit_plan)]
         mark_leaf_parameters(model)

@@ -17,6 +17,7 @@ engine imports ``checkpoint/`` to save and load, and ``checkpoint/`` imports thi
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 from .layout import Layout
@@ -33,16 +34,61 @@ if TYPE_CHECKING:
     from .precision import LossScaler, PrecisionPolicy
 
 
+@dataclass(frozen=True)
+class CheckpointRanks:
+    """Where this rank stands among the ranks that save and load a checkpoint (``CheckpointView.ranks``).
+
+    ``dp_rank`` of ``dp_world_size`` data-parallel ranks, ``tp_rank`` of ``tp_size`` tensor-parallel
+    ranks (0 of 1 without tensor parallelism), ``pipe_rank`` of ``pipe_size`` pipeline stages (0 of 1
+    without a pipeline). ``coord_comm``: every rank that takes part in a save or load (the whole
+    process grid; the data-parallel group without other axes), what the checkpoint's coordinator
+    agrees over; ``tensor_comm`` gathers a split parameter's slices; ``pipe_comm`` brings the
+    stages' parts of the index to rank 0."""
+
+    dp_rank: int
+    dp_world_size: int
+    tp_rank: int
+    tp_size: int
+    pipe_rank: int
+    pipe_size: int
+    coord_comm: "Comm"
+    tensor_comm: "Comm"
+    pipe_comm: "Comm"
+
+    @property
+    def stage_first(self) -> bool:
+        """Whether this rank is its pipeline stage's first (data rank 0, tensor rank 0; rank 0 without
+        a pipeline): it writes the stage's unsplit tensors and puts the stage's parts together."""
+        return self.dp_rank == 0 and self.tp_rank == 0
+
+    @property
+    def files_layout(self) -> Layout:
+        """How a checkpoint of this engine numbers its files: one per rank of the layout pipeline
+        stages x data ranks x tensor ranks (``core/layout.py``), the grid's own order."""
+        return Layout.of(pipe=self.pipe_size, shard=self.dp_world_size, tensor=self.tp_size)
+
+    @property
+    def writer_rank(self) -> int:
+        """Which of the checkpoint's files this rank writes: its rank in :attr:`files_layout`."""
+        return self.files_layout.rank_of({"pipe": self.pipe_rank, "shard": self.dp_rank, "tensor": self.tp_rank})
+
+    @property
+    def writer_count(self) -> int:
+        """How many files a checkpoint of this engine has: pipeline stages x data ranks x tensor ranks."""
+        return self.files_layout.world
+
+
 class CheckpointView:
     """What ``checkpoint/`` may read and write of one engine (see module docstring).
 
     ``engine`` is a ``ZeroEngine``; only its public members are read.
     """
 
-    __slots__ = ("_engine",)
+    __slots__ = ("_engine", "_ranks")
 
     def __init__(self, engine: Any) -> None:
         self._engine = engine
+        self._ranks: Optional[CheckpointRanks] = None
 
     # -- the model and its training state --------------------------------------------------
 
@@ -103,88 +149,29 @@ class CheckpointView:
         """The device the engine's tensors live on."""
         return self._engine.device
 
-    # -- the data-parallel group -----------------------------------------------------------
-
-    @property
-    def comm(self) -> "Comm":
-        """The data-parallel group's collectives (the coordinator's group, store key and all-gather)."""
-        return self._engine.comm
-
-    @property
-    def dp_rank(self) -> int:
-        """This rank within the data-parallel group."""
-        return self._engine.dp_rank
-
-    @property
-    def dp_world_size(self) -> int:
-        """The number of ranks in the data-parallel group."""
-        return self._engine.dp_world_size
+    # -- where this rank stands -----------------------------------------------------------
 
     @property
     def shard_axes(self) -> "ShardAxes":
         """The collectives of the axes the flat groups shard over (each group's ``axis``, ``axes.py``)."""
         return self._engine.shard_axes
 
-    # -- the ranks that write a checkpoint -------------------------------------------------
-
     @property
-    def coord_comm(self) -> "Comm":
-        """Every rank that takes part in a save or load (the whole process grid): what the
-        checkpoint's coordinator agrees over. The data-parallel group without tensor parallelism."""
+    def ranks(self) -> "CheckpointRanks":
+        """This rank among the ranks that save and load a checkpoint, and their collectives (made
+        once per view: the grid does not change in an engine's life)."""
+        if self._ranks is None:
+            self._ranks = self._make_ranks()
+        return self._ranks
+
+    def _make_ranks(self) -> "CheckpointRanks":
         engine = self._engine
-        return engine.comm if engine.grid.only_data else engine.grid_comm
-
-    @property
-    def tp_rank(self) -> int:
-        """This rank within its tensor-parallel group (0 without tensor parallelism)."""
-        return self._engine.grid.tensor.rank
-
-    @property
-    def tp_size(self) -> int:
-        """The number of tensor-parallel ranks (1 without tensor parallelism)."""
-        return self._engine.grid.tensor.size
-
-    @property
-    def tensor_comm(self) -> "Comm":
-        """The tensor-parallel group's collectives (gathering a split parameter's slices)."""
-        return self._engine.grid.tensor.comm()
-
-    @property
-    def pipe_rank(self) -> int:
-        """This rank's pipeline stage (0 without pipeline parallelism)."""
-        return self._engine.grid.pipe.rank
-
-    @property
-    def pipe_size(self) -> int:
-        """The number of pipeline stages (1 without pipeline parallelism)."""
-        return self._engine.grid.pipe.size
-
-    @property
-    def pipe_comm(self) -> "Comm":
-        """The pipeline group's collectives (the stages' parts of the index meet at rank 0)."""
-        return self._engine.grid.pipe.comm()
-
-    @property
-    def stage_first(self) -> bool:
-        """Whether this rank is its pipeline stage's first (data rank 0, tensor rank 0; rank 0 without
-        a pipeline): it writes the stage's unsplit tensors and puts the stage's parts together."""
-        return self.dp_rank == 0 and self.tp_rank == 0
-
-    @property
-    def files_layout(self) -> "Layout":
-        """How a checkpoint of this engine numbers its files: one per rank of the layout pipeline
-        stages x data ranks x tensor ranks (``core/layout.py``), the grid's own order."""
-        return Layout.of(pipe=self.pipe_size, shard=self.dp_world_size, tensor=self.tp_size)
-
-    @property
-    def writer_rank(self) -> int:
-        """Which of the checkpoint's files this rank writes: its rank in :attr:`files_layout`."""
-        return self.files_layout.rank_of({"pipe": self.pipe_rank, "shard": self.dp_rank, "tensor": self.tp_rank})
-
-    @property
-    def writer_count(self) -> int:
-        """How many files a checkpoint of this engine has: pipeline stages x data ranks x tensor ranks."""
-        return self.files_layout.world
+        grid = engine.grid
+        return CheckpointRanks(
+            dp_rank=engine.dp_rank, dp_world_size=engine.dp_world_size,
+            tp_rank=grid.tensor.rank, tp_size=grid.tensor.size, pipe_rank=grid.pipe.rank, pipe_size=grid.pipe.size,
+            coord_comm=engine.comm if grid.only_data else engine.grid_comm,
+            tensor_comm=grid.tensor.comm(), pipe_comm=grid.pipe.comm())
 
     # -- counters and batch sizes ----------------------------------------------------------
 

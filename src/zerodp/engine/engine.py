@@ -76,6 +76,7 @@ from ..offload import OptimizerOffload, ParamOffload, group_cap
 from ..parallel import Parallelism, parallelisms_for, replaced_parameters
 from ..parallel import base as parallel
 from ..parallel.grid import Grid, build_grid
+from .checkpoint_api import CheckpointAPI
 from .engine_api import EngineAPI
 
 logger = logging.getLogger("zerodp")
@@ -104,7 +105,7 @@ def _unit_done_hook(engine: "ZeroEngine") -> Callable[[Unit], None]:
     return done
 
 
-class ZeroEngine(EngineAPI, nn.Module):
+class ZeroEngine(EngineAPI, CheckpointAPI, nn.Module):
     """Wraps a model for ZeRO data-parallel training (see ``zerodp.initialize``)."""
 
     def __init__(self, model: nn.Module, config: Config, *, model_parameters=None,
@@ -187,10 +188,8 @@ class ZeroEngine(EngineAPI, nn.Module):
             axes=self.shard_axes, sharding=sharding, device=self.device,
             tp_of=parallel.placement(self.parallelisms, self.base_module),
             axis_of=parallel.shard_axis_of(self.parallelisms, self.base_module),
-            separate={id(p): f"separate{i}" for i, p in enumerate(separate_params)})
-        elsewhere = {id(p) for p in counted_elsewhere}
-        for g in self.flat_groups:  # held here too, but its norm and checkpoint are another rank's
-            g.counted_here = not any(id(p) in elsewhere for p in g.params)
+            separate={id(p): f"separate{i}" for i, p in enumerate(separate_params)},
+            counted_elsewhere=frozenset(id(p) for p in counted_elsewhere))  # norm and checkpoint: another rank's
         adopt_replaced_params(self.base_module, self.flat_groups)
         self.trainable = [g for g in self.flat_groups if g.trainable]
         broadcast_initial_state(self.data_comm, self.base_module, self.flat_groups)
@@ -205,7 +204,7 @@ class ZeroEngine(EngineAPI, nn.Module):
         register_params(self.flat_groups, self.shard_axes, sharded=self.policy.shard_parameters,
                         agreement=self.sharded.agreement if self.sharded is not None else None)
         for g in self.trainable:
-            g.allocate_gradients(keep_full=self.policy.full_gradient_buffer,
+            g.grads.allocate(keep_full=self.policy.full_gradient_buffer,
                                  dtype=self.precision.grad_dtype(g.dtype))
         # stage 3: the reductions take turns with the units' all-gathers for one scratch buffer
         reducing = self.sharded.axes if self.sharded is not None else self.shard_axes
@@ -451,7 +450,7 @@ class ZeroEngine(EngineAPI, nn.Module):
             grads = self._unscaled_fp32_grads(divisor)
             norm, used = self._global_norm_and_usage(grads)
         else:  # the gradient shards go to the host as they are; divided there, tile by tile
-            norm, used = self._global_norm_and_usage([g.grad_shard for g in self.trainable])
+            norm, used = self._global_norm_and_usage([g.grads.shard for g in self.trainable])
             norm /= divisor
         self._global_grad_norm = norm
         overflow = self.loss_scaler is not None and not math.isfinite(norm)
@@ -497,7 +496,7 @@ class ZeroEngine(EngineAPI, nn.Module):
         else as an fp32 copy for the fp32 master (freed after the step)."""
         grads = []
         for g in self.trainable:
-            grad = g.grad_shard
+            grad = g.grads.shard
             if g.optim.master is not None and grad.dtype != torch.float32:
                 grad = grad.to(torch.float32)
             if divisor != 1.0:
@@ -515,7 +514,7 @@ class ZeroEngine(EngineAPI, nn.Module):
         """Clear all gradients (``step()`` does this itself after every update): ``.grad`` None, or with
         ``set_to_none=False`` at stages 0-1 zeros (views of the zeroed gradient buffer)."""
         for g in self.trainable:
-            g.zero_gradients(keep_views=not set_to_none)
+            g.grads.zero(keep_views=not set_to_none)
             g.optim.clear_grads()
         self.reducer.clear_usage()
 

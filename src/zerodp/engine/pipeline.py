@@ -235,8 +235,8 @@ class PipelineEngine(ZeroEngine):
         stages that hold them, so every copy takes the same update."""
         for comm, groups in self._ties:
             for g in groups:
-                if g.grad_shard is not None:
-                    comm.all_reduce_sum(g.grad_shard)
+                if g.grads.shard is not None:
+                    comm.all_reduce_sum(g.grads.shard)
 
     def _mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """The mean of the last stage's micro-batch ``losses`` over the data-parallel ranks, on every stage."""

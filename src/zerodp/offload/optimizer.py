@@ -51,7 +51,7 @@ class OptimizerOffload:
         self.pin = bool(oc.pin_memory) and device.type == "cuda"
         self.groups = groups
         largest = max((g.shard_numel for g in groups), default=0)
-        grad_bytes = max((g.grad_dtype.itemsize for g in groups), default=4)
+        grad_bytes = max((g.grads.dtype.itemsize for g in groups), default=4)
         param_bytes = max((g.full.element_size() for g in groups), default=4)
         shard = sum(g.shard_numel for g in groups)
         resident = shard if self.kind == "cpu" else min(shard, 3 * largest)
@@ -141,8 +141,8 @@ class OptimizerOffload:
         g = self.groups[k]
         if g.optim.page is not None:
             g.optim.page.page_in(wait=False)
-        stage = _as(self._grad_stage[k % 2], g.grad_shard.dtype, g.shard_numel)
-        stage.copy_(g.grad_shard, non_blocking=self.pin)
+        stage = _as(self._grad_stage[k % 2], g.grads.shard.dtype, g.shard_numel)
+        stage.copy_(g.grads.shard, non_blocking=self.pin)
         return stage, CopiesDone(self.device)
 
     def _send_back(self, k: int, g: FlatGroup) -> None:

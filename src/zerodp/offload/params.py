@@ -33,7 +33,7 @@ class ParamOffload:
         if self.swap is not None:
             page = PagedTensors(self.swap, f"p{g.index}")
             page.add(g.shard)
-            g.shard_page = page
+            g.attach_shard_page(page)
             page.page_out(wait=True)
         self._groups[g.index] = g
 

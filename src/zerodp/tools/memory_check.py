@@ -82,7 +82,7 @@ def compare_with_engine(engine: "ZeroEngine") -> list[Comparison]:
         return g.full.element_size()
 
     def grad_bytes(g) -> int:
-        return g.grad_dtype.itemsize
+        return g.grads.dtype.itemsize
 
     def master_bytes(g) -> int:  # 16-bit groups, and every group under optimizer offload
         offloaded = getattr(engine, "offload", None) is not None
