@@ -420,6 +420,8 @@ def unit_states_through_a_step(group) -> dict:
     rank = dist.get_rank(group)
     engine, _, _, _ = zerodp.initialize(model=_mlp(), config=_config(3), process_group=group)
     units = engine.sharded.units
+    pool = engine.sharded.scratch  # every stage-3 gather and reduction borrows this one buffer
+    one_pool = all(axes.comm().scratch is pool for axes in (engine.shard_axes, engine.reducer.axes))
     seen: dict[str, list] = {"in_forward": [], "in_backward": []}
     hooks = [u.module.register_forward_pre_hook(  # after the engine's own pre-hook
         lambda m, a, u=u: seen["in_forward"].append(u.state.value)) for u in units[1:]]
@@ -448,4 +450,5 @@ def unit_states_through_a_step(group) -> dict:
     rerecorded = engine.sharded.prefetcher.plan.value
     engine.destroy()
     return {**seen, "plans": plans, "held": held, "held_after_backward": held_after_backward,
-            "after_held": after_held, "invalidated": invalidated, "rerecorded": rerecorded, "units": len(units)}
+            "after_held": after_held, "invalidated": invalidated, "rerecorded": rerecorded, "units": len(units),
+            "one_pool": one_pool}

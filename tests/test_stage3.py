@@ -286,6 +286,7 @@ def test_a_step_takes_units_and_the_plan_through_their_states(pool):
         assert r["held_after_backward"] == ["held"] * (n + 1)
         assert r["after_held"] == (["idle"] * (n + 1), "following")
         assert r["invalidated"] == "departed" and r["rerecorded"] == "recording"
+        assert r["one_pool"]  # GatheredParameters, checkpoints and the reducer share the units' scratch
 
 
 def test_a_unit_changes_state_only_as_its_transitions_allow():

@@ -201,14 +201,15 @@ class ZeroEngine(EngineAPI, CheckpointAPI, nn.Module):
             replaced = {old: new for g in self.flat_groups for old, new in g.replaced.items()}
             loaded = {id(replaced[i]): p for i, p in built_in_init.items() if i in replaced}
             self._setup_units(unit_plan, meta, param_init_fn, loaded)
+            # stage 3: every gather and reduction (the units', the reducer's, GatheredParameters',
+            # a checkpoint's) takes turns for the stage-3 object's one scratch buffer
+            self.shard_axes = self.sharded.axes
         register_params(self.flat_groups, self.shard_axes, sharded=self.policy.shard_parameters,
                         agreement=self.sharded.agreement if self.sharded is not None else None)
         for g in self.trainable:
             g.grads.allocate(keep_full=self.policy.full_gradient_buffer,
-                                 dtype=self.precision.grad_dtype(g.dtype))
-        # stage 3: the reductions take turns with the units' all-gathers for one scratch buffer
-        reducing = self.sharded.axes if self.sharded is not None else self.shard_axes
-        self.reducer = GradReducer(reducing, self.trainable, self.policy, self.precision,
+                             dtype=self.precision.grad_dtype(g.dtype))
+        self.reducer = GradReducer(self.shard_axes, self.trainable, self.policy, self.precision,
                                    reduce_scatter=self.zero_config.reduce_scatter,
                                    overlap_comm=self.overlap_comm, replicas=self.replica_comm)
 
