@@ -129,12 +129,9 @@ def test_unsupported_names_say_so():
     # at the top): the import works, any use raises naming the feature
     scope: dict = {}
     exec("from zerodp.moe.utils import split_params_into_different_moe_groups_for_optimizer as split\n"
-         "from zerodp.sequence.layer import DistributedAttention\n"
          "import zerodp.moe.layer", scope)
     with pytest.raises(NotImplementedError, match="Mixture-of-Experts"):
         scope["split"]({"params": []})
-    with pytest.raises(NotImplementedError, match="sequence parallelism"):
-        scope["DistributedAttention"](None, None)
     with pytest.raises(NotImplementedError, match=r"zerodp\.moe\.layer\.MoE: .*Mixture-of-Experts"):
         scope["zerodp"].moe.layer.MoE(hidden_size=8, expert=None)
     with pytest.raises(NotImplementedError, match="inference engine"):

@@ -22,7 +22,6 @@ NOT_IMPLEMENTED: dict[str, str] = {
     "InferenceEngine": "the inference engine",
     "inference": "the inference engine (deepspeed.inference)",
     "module_inject": "kernel injection (deepspeed.module_inject)",
-    "sequence": "Ulysses sequence parallelism (deepspeed.sequence)",
     "compression": "model compression (deepspeed.compression)",
     "autotuning": "the autotuner (deepspeed.autotuning)",
     "profiling": "the FLOPs profiler (deepspeed.profiling)",

@@ -469,6 +469,17 @@ class Config(_Section):
                                                   description="Tensor parallelism (docs/parallel.md).")
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig,
                                      description="Pipeline parallelism (docs/pipeline.md).")
+    sequence_parallel_size: _Positive = Field(
+        1, description="Ulysses sequence parallelism: split each batch's sequence over this many consecutive "
+                       "ranks, which attend over the whole sequence for their share of the heads; ZeRO shards "
+                       "over data x sequence ranks and batch sizes count the data-parallel ranks alone "
+                       "(docs/parallel.md). 1: off.")
+    seq_parallel_communication_data_type: Literal["fp32", "fp16", "bf16"] | None = Field(
+        None, description="Accepted for compatibility: the sequence-parallel all-to-alls run in the "
+                          "activations' dtype; gradients are reduced as communication_data_type says.")
+    data_parallel_size: _Positive | None = Field(
+        None, description="The data-parallel size DeepSpeed's mesh path reads beside sequence_parallel_size; "
+                          "when given it must equal world size / sequence_parallel_size.")
     bf16: BF16Config = Field(default_factory=BF16Config, description="bfloat16 mixed precision.")
     fp16: FP16Config = Field(default_factory=FP16Config, description="float16 mixed precision with loss scaling.")
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = Field(

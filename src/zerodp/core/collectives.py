@@ -472,6 +472,25 @@ class Comm:
         dist.all_gather(out, tensor.contiguous(), group=self.group)
         return out
 
+    def all_to_all(self, x: torch.Tensor, scatter_dim: int, gather_dim: int, what: str = "") -> torch.Tensor:
+        """Cut ``x`` into as many equal chunks along ``scatter_dim`` as the group has ranks, send
+        chunk ``i`` to rank ``i``, and join what every rank sent here along ``gather_dim``, in rank
+        order (Ulysses sequence parallelism: sequence shards to head shards and back). Counted as
+        ``all_to_all``: what this rank sends to the others."""
+        n = self.world_size
+        if n == 1:
+            return x
+        if x.shape[scatter_dim] % n:
+            raise ValueError(f"all_to_all{' of ' + what if what else ''}: dimension {scatter_dim} of size "
+                             f"{x.shape[scatter_dim]} does not split over the {n} ranks of the {self.label} group")
+        parts = x.chunk(n, dim=scatter_dim)
+        send = torch.cat([c.reshape(-1) for c in parts])
+        received = torch.empty_like(send)
+        self.counter.add("all_to_all", send.numel() * send.element_size() * (n - 1) / n, self.label)
+        work = dist.all_to_all_single(received, send, group=self.group, async_op=True)
+        self._finish(self._handle([work], None, f"all_to_all of {what}" if what else "all_to_all"), False)
+        return torch.cat([r.view(parts[0].shape) for r in received.chunk(n)], dim=gather_dim)
+
     def all_gather_objects(self, obj: Any) -> list[Any]:
         """Every rank's picklable ``obj``, in rank order (checkpoint indexes, not counted)."""
         if self.world_size == 1:

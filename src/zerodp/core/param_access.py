@@ -74,8 +74,9 @@ class ParamAccess:
 
     @property
     def grad_divisor(self) -> float:
-        """What the reduced gradient sums are divided by: data-parallel ranks times the loss scale."""
-        return self._engine.dp_world_size * self._engine.loss_scale
+        """What the reduced gradient sums are divided by: data-parallel (times sequence-parallel) ranks
+        times the loss scale."""
+        return self._engine.seq_dp_world_size * self._engine.loss_scale
 
     @property
     def gradients_reduced(self) -> bool:

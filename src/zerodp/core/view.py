@@ -168,7 +168,7 @@ class CheckpointView:
         engine = self._engine
         grid = engine.grid
         return CheckpointRanks(
-            dp_rank=engine.dp_rank, dp_world_size=engine.dp_world_size,
+            dp_rank=grid.data.rank, dp_world_size=grid.data.size,  # ZeRO's ranks (sequence ranks included)
             tp_rank=grid.tensor.rank, tp_size=grid.tensor.size, pipe_rank=grid.pipe.rank, pipe_size=grid.pipe.size,
             coord_comm=engine.comm if grid.only_data else engine.grid_comm,
             tensor_comm=grid.tensor.comm(), pipe_comm=grid.pipe.comm())

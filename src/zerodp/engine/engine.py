@@ -134,7 +134,10 @@ class ZeroEngine(EngineAPI, CheckpointAPI, nn.Module):
         for c in (self.replica_comm, self.grid_comm, self.data_comm,
                   *(self.shard_axes.comm(n) for n in self.shard_axes.names)):
             c.watched = self.health.on and c.backend == "gloo"
-        self.dp_world_size, self.dp_rank = self.grid.data.size, self.grid.data.rank
+        # batch ranks: the ranks of a sequence-parallel group run one batch (parallel/sequence.py)
+        self.dp_world_size, self.dp_rank = self.grid.dp_size, self.grid.dp_rank
+        # the ranks whose gradients one update averages (DeepSpeed's name): data x sequence
+        self.seq_dp_world_size = self.grid.data.size
         self.policy: StagePolicy = policy_for(config.zero_optimization.stage)
         self.zero_config = config.zero_optimization
         self.overlap_comm = config.zero_optimization.overlap_comm_effective
@@ -446,7 +449,7 @@ class ZeroEngine(EngineAPI, CheckpointAPI, nn.Module):
         for g in self.trainable:  # stages 0-2: data a module assigned to a parameter joins the buffer
             if g.gathered:
                 g.keep_assigned_data()
-        divisor = self.dp_world_size * (self.loss_scaler.scale if self.loss_scaler else 1.0)
+        divisor = self.seq_dp_world_size * (self.loss_scaler.scale if self.loss_scaler else 1.0)
         if self.offload is None:
             grads = self._unscaled_fp32_grads(divisor)
             norm, used = self._global_norm_and_usage(grads)

@@ -29,6 +29,7 @@ from .adapters import base_model, expand_adapters
 from .base import Parallelism
 from .grid import Grid, GridError, build_grid, grid_from_mesh, grid_from_mpu, with_secondary
 from .plans import check_heads, localize, plan_for, with_loss_parallel, with_sequence_parallel
+from .sequence import SequenceParallel, initialize_sequence_parallel
 from .tensor import Split, TensorParallelError, TPSlice, apply_plan, model_slices, replaced_parameters, resolve_plan
 
 __all__ = ["Grid", "GridError", "Parallelism", "TensorParallel", "TensorParallelError", "TPSlice", "Split",
@@ -87,7 +88,16 @@ def grid_for(model: nn.Module, config, *, mpu: Any = None, mesh_param: Any = Non
         grid = earlier if shard is None else build_grid(earlier.tp_size, shard_size=shard, source="config")
     else:
         grid = build_grid(tp_size=tpc.size, pp_size=pp, shard_size=shard, data_group=process_group,
-                          source="config" if tpc.size > 1 or pp > 1 else "world")
+                          source="config" if tpc.size > 1 or pp > 1 else "world",
+                          sequence=initialize_sequence_parallel(config.sequence_parallel_size)
+                          if config.sequence_parallel_size > 1 else None)
+    sp = config.sequence_parallel_size
+    if sp > 1 and grid.sequence.size != sp:
+        raise GridError(f"sequence_parallel_size: the config says {sp}, but the {grid.source} gives "
+                        f"{grid.sequence.size} sequence-parallel ranks")
+    if config.data_parallel_size is not None and config.data_parallel_size != grid.dp_size:
+        raise GridError(f"data_parallel_size: the config says {config.data_parallel_size}, but the grid has "
+                        f"{grid.dp_size} data-parallel ranks ({grid.describe()})")
     if tpc.size > 1 and grid.tp_size != tpc.size:
         raise GridError(f"tensor_parallel.autotp_size: the config says {tpc.size}, but the "
                         f"{grid.source} gives {grid.tp_size} tensor-parallel ranks")
@@ -145,8 +155,14 @@ def tp_model_init(model: nn.Module, tp_size: int, dtype: Optional[torch.dtype] =
 
 def parallelisms_for(grid: Grid, model: nn.Module, counter: CommCounter) -> list[Parallelism]:
     """The parallelisms an engine over ``grid`` runs ``model`` with, in the order their inputs and
-    regions apply (tensor parallelism where the grid's tensor axis has more than one rank)."""
-    return [TensorParallel(grid, model, counter)] if grid.tp_size > 1 else []
+    regions apply: tensor parallelism where the grid's tensor axis has more than one rank, Ulysses
+    sequence parallelism where its sequence axis has."""
+    out: list[Parallelism] = []
+    if grid.tp_size > 1:
+        out.append(TensorParallel(grid, model, counter))
+    if grid.sequence.size > 1:
+        out.append(SequenceParallel(grid, counter))
+    return out
 
 
 class TensorParallel(Parallelism):

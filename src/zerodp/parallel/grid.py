@@ -86,19 +86,29 @@ class Grid:
     secondary: Optional[Axis] = None
     """hpZ (``zero_hpz_partition_size``): the consecutive data-parallel ranks sharing a secondary copy
     of the parameters (``core/secondary.py``); None without hpZ."""
+    sequence: Optional[Axis] = None
+    """Ulysses sequence parallelism (``sequence_parallel_size``): the consecutive ranks that split one
+    batch's sequence (``parallel/sequence.py``); they are part of ``data`` (ZeRO shards over both).
+    One rank without sequence parallelism."""
     _tp_mesh: Any = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.sequence is None:
+            self.sequence = _trivial("sequence", self.rank)
 
     @property
     def layout(self) -> Layout:
         """The grid's shape as named axes, outermost first (``core/layout.py``): the order the ranks are
         numbered in when the grid is built from sizes, and checkpoints number their files in."""
-        return Layout.of(pipe=self.pipe.size, replica=self.replica.size, shard=self.shard.size,
+        return Layout.of(pipe=self.pipe.size, replica=self.replica.size,
+                         shard=self.shard.size // self.sequence.size, sequence=self.sequence.size,
                          tensor=self.tensor.size)
 
     @property
     def coords(self) -> dict[str, int]:
         """This rank's index along each axis of :attr:`layout`."""
-        return {"pipe": self.pipe.rank, "replica": self.replica.rank, "shard": self.shard.rank,
+        return {"pipe": self.pipe.rank, "replica": self.replica.rank,
+                "shard": self.shard.rank // self.sequence.size, "sequence": self.sequence.rank,
                 "tensor": self.tensor.rank}
 
     @property
@@ -121,7 +131,12 @@ class Grid:
 
     @property
     def dp_size(self) -> int:
-        return self.data.size
+        """The data-parallel ranks that run different batches (the sequence ranks of a group share one)."""
+        return self.data.size // self.sequence.size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.data.rank // self.sequence.size
 
     @property
     def tp_mesh(self):
@@ -151,6 +166,8 @@ class Grid:
             parts.append(f"tensor {self.tensor.size}")
         if self.pipe.size > 1:
             parts.append(f"pipeline {self.pipe.size}")
+        if self.sequence.size > 1:
+            parts[0] = f"data {self.dp_size} x sequence {self.sequence.size} (ZeRO over {self.data.size})"
         return " x ".join(parts)
 
 
@@ -193,10 +210,15 @@ def new_axis(name: str, all_ranks: list[list[int]], me: int) -> Axis:
 
 
 def build_grid(tp_size: int = 1, pp_size: int = 1, shard_size: Optional[int] = None,
-               data_group: Optional[dist.ProcessGroup] = None, source: str = "config") -> Grid:
+               data_group: Optional[dist.ProcessGroup] = None, source: str = "config",
+               sequence: Optional[Axis] = None) -> Grid:
     """The grid of the whole world (or of ``data_group``, which must then be the only axis)
-    with the given tensor, pipeline and hybrid-shard sizes."""
+    with the given tensor, pipeline and hybrid-shard sizes; with a ``sequence`` axis (made by
+    ``parallel.sequence.initialize_sequence_parallel``) sequence parallelism beside data parallelism
+    alone."""
     world, me = _world()
+    if sequence is not None and sequence.size > 1:
+        return _with_sequence(world, me, tp_size, pp_size, shard_size, data_group, sequence, source)
     if data_group is not None:
         if tp_size > 1 or pp_size > 1:
             raise GridError("process_group= gives the data-parallel group alone; with tensor or pipeline "
@@ -218,6 +240,20 @@ def build_grid(tp_size: int = 1, pp_size: int = 1, shard_size: Optional[int] = N
     data = new_axis("data", layout.groups(["shard"]), me)
     pipe = new_axis("pipe", layout.groups(["pipe"]), me)
     return _with_hybrid(world, me, data, tensor, pipe, shard_size, source)
+
+
+def _with_sequence(world: int, me: int, tp_size: int, pp_size: int, shard_size: Optional[int],
+                   data_group: Optional[dist.ProcessGroup], sequence: Axis, source: str) -> Grid:
+    """Data x sequence parallelism over the whole world: ZeRO's data axis is every rank, the sequence
+    axis blocks of consecutive ranks (``parallel/sequence.py``)."""
+    others = [n for n, v in (("tensor", tp_size > 1), ("pipeline", pp_size > 1), ("hybrid sharding", bool(shard_size)),
+                             ("a process_group= narrower than the world", data_group is not None)) if v]
+    if others:
+        raise GridError(f"sequence_parallel_size: sequence parallelism with {others[0]} is not supported (DeepSpeed "
+                        "does not compose them either); use it beside data parallelism alone")
+    data = _axis_of("data", None)
+    return Grid(world, me, data, _trivial("tensor", me), _trivial("pipe", me), data, _trivial("replica", me), data,
+                source, sequence=sequence)
 
 
 def _with_hybrid(world: int, me: int, data: Axis, tensor: Axis, pipe: Axis, shard_size: Optional[int],
@@ -254,6 +290,8 @@ def with_secondary(grid: Grid, size: int) -> Grid:
                         "implemented (its groups would have to follow the data axis of each tensor slice and "
                         "stage); leave it at 1 there")
     data = grid.data
+    if grid.sequence.size > 1:
+        raise GridError("zero_optimization.zero_hpz_partition_size: hpZ with sequence parallelism is not supported")
     if data.size != grid.world_size:
         raise GridError("zero_optimization.zero_hpz_partition_size: hpZ splits the data-parallel ranks of the whole "
                         "world; a process_group= narrower than the world cannot be split")
@@ -285,6 +323,12 @@ def grid_from_mpu(mpu: Any, shard_size: Optional[int] = None) -> Grid:
     ``get_tensor_model_parallel_group()`` (or ``get_model_parallel_group()``), and a pipeline
     group when the mpu has one."""
     world, me = _world()
+    if callable(getattr(mpu, "initialize_sequence_parallel", None)):  # DeepSpeed's Ulysses mpu (parallel_state_sp)
+        sequence = _axis_of("sequence", mpu.get_sequence_parallel_group())
+        if world % sequence.size or sequence.ranks != list(range(sequence.ranks[0], sequence.ranks[0] + sequence.size)):
+            raise GridError("mpu: the sequence-parallel groups must be blocks of consecutive ranks, as "
+                            "initialize_sequence_parallel makes them")
+        return build_grid(shard_size=shard_size, sequence=sequence, source="mpu")
     for name in ("get_data_parallel_group", "get_data_parallel_world_size", "get_data_parallel_rank"):
         if not callable(getattr(mpu, name, None)):
             raise GridError(f"mpu: the object passed has no {name}(); DeepSpeed's contract is "

@@ -1,0 +1,2 @@
+"""DeepSpeed's ``deepspeed.runtime.sequence_parallel``: the sequence-parallel groups
+(``parallel_state_sp``), over ``zerodp.parallel.sequence``."""

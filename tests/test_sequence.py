@@ -1,0 +1,52 @@
+"""Ulysses sequence parallelism (``parallel/sequence.py``): parity with one process on the whole
+batch and sequence at ZeRO stages 1-3, sequence-parallel size 2 (beside 2 data-parallel ranks) and 4,
+through the engine API, and the refusals."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("sp,kv_heads,layer", [(2, 4, "function"), (4, 2, "function"), (2, 2, "deepspeed")])
+def test_sequence_parallel_trains_as_one_process(pool, stage, sp, kv_heads, layer):
+    from sequence_tasks import train_sequence_parallel
+    results = pool.run(train_sequence_parallel, 4, stage, sp, kv_heads, layer)
+    for r in results:
+        for got, want in zip(r["losses"], r["ref_losses"]):
+            assert abs(got - want) <= 1e-5 * abs(want), (r["losses"], r["ref_losses"])
+        for got, want in zip(r["norms"], r["ref_norms"]):  # the gradients themselves, before clipping
+            assert abs(got - want) <= 1e-5 * abs(want), (r["norms"], r["ref_norms"])
+        for name, want in r["ref_params"].items():
+            torch.testing.assert_close(r["params"][name], want, rtol=1e-5, atol=1e-6, msg=name)
+    assert len(results) == 4
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_deepspeeds_parallel_state_module_is_the_mpu(pool, stage):
+    """``initialize(mpu=parallel_state_sp)`` after ``initialize_sequence_parallel``, as DeepSpeed's users
+    (and Accelerate) do; ``deepspeed.sequence.layer.DistributedAttention`` finds the group itself."""
+    from sequence_tasks import train_sequence_parallel
+    for r in pool.run(train_sequence_parallel, 4, stage, 2, 2, "deepspeed", road="mpu"):
+        for got, want in zip(r["norms"] + r["losses"], r["ref_norms"] + r["ref_losses"]):
+            assert abs(got - want) <= 1e-5 * abs(want)
+        for name, want in r["ref_params"].items():
+            torch.testing.assert_close(r["params"][name], want, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_sequence_parallel_refuses_what_does_not_split(pool):
+    from sequence_tasks import refusals
+    r = pool.run(refusals, 4)[0]
+    assert "6 attention heads do not split over 4" in r["heads"]
+    assert "3 key/value heads neither split over nor divide 4" in r["kv_heads"]
+    assert "does not split over the 4 ranks" in r["sequence"]
+    assert "2 key/value heads are fewer than the 4" in r["deepspeed_kv"]
+    assert "cannot use 2 as well" in r["other_size"]
+    assert "sequence parallelism with tensor is not supported" in r["with_tensor"]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_checkpoint_saved_with_sequence_parallelism_loads_without_it_and_at_another_size(pool, tmp_path, stage):
+    from sequence_tasks import save_with_sequence_parallel_load_without
+    for r in pool.run(save_with_sequence_parallel_load_without, 4, str(tmp_path), stage):
+        assert r[1] and r[4] and r["steps1"] == 2 == r["steps4"], r
