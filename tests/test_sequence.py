@@ -50,3 +50,32 @@ def test_a_checkpoint_saved_with_sequence_parallelism_loads_without_it_and_at_an
     from sequence_tasks import save_with_sequence_parallel_load_without
     for r in pool.run(save_with_sequence_parallel_load_without, 4, str(tmp_path), stage):
         assert r[1] and r[4] and r["steps1"] == 2 == r["steps4"], r
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("sp,kv_heads", [(2, 2), (4, 2)])
+def test_transformers_llama_with_deepspeeds_ulysses_trains_as_one_process(pool, stage, sp, kv_heads):
+    """``UlyssesSPAttentionHF.register_with_transformers`` on a small Llama (sdpa), the Trainer's
+    sequence-parallel loss, against the same Llama on one process: losses, gradient norms and
+    parameters within 1e-5."""
+    pytest.importorskip("transformers")
+    from sequence_hf_tasks import train_hf_sequence_parallel
+    for r in pool.run(train_hf_sequence_parallel, 4, stage, sp, kv_heads):
+        for got, want in zip(r["norms"] + r["losses"], r["ref_norms"] + r["ref_losses"]):
+            assert abs(got - want) <= 1e-5 * abs(want), (r["norms"], r["ref_norms"], r["losses"], r["ref_losses"])
+        for name, want in r["ref_params"].items():
+            torch.testing.assert_close(r["params"][name], want, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_the_data_loader_adapter_serves_each_ranks_batch_sliced(pool):
+    from sequence_hf_tasks import adapter_slices
+    results = pool.run(adapter_slices, 4)
+    for rank, r in enumerate(results):
+        assert r["length"] == 4 and r["stopped"]
+        for source, b in enumerate(r["served"]):
+            ids = [100 * source + i for i in range(8)]
+            assert b["input_ids"] == [ids[2 * rank:2 * rank + 2]]
+            assert b["position_ids"] == [list(range(2 * rank, 2 * rank + 2))]
+            assert b["shift_labels"] == [(ids[1:] + [-100])[2 * rank:2 * rank + 2]]
+            assert b["tag"] == source and "labels" not in b
+        assert "no 'position_ids'" in r["error"]

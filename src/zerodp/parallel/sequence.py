@@ -193,3 +193,54 @@ class SequenceParallel(Parallelism):
         if "all_to_all" not in counter.kinds:
             counter.kinds = (*counter.kinds, "all_to_all")
         self.comm = grid.sequence.comm(counter, "sequence")
+
+
+class ParallelStateSP:
+    """DeepSpeed's ``parallel_state_sp`` as an object (``STATE``): the sequence-parallel groups of
+    this process, and what ``initialize(mpu=...)`` takes (it is recognised by
+    ``initialize_sequence_parallel``). The sequence-data-parallel group is every rank."""
+
+    @staticmethod
+    def initialize_sequence_parallel(sequence_parallel_size: int) -> None:
+        if sequence_axis() is not None:
+            raise AssertionError("sequence parallel group is already initialized")
+        initialize_sequence_parallel(sequence_parallel_size)
+
+    @staticmethod
+    def _axis() -> Axis:
+        axis = sequence_axis()
+        if axis is None:
+            raise AssertionError("sequence parallel group is not initialized: call initialize_sequence_parallel first")
+        return axis
+
+    def get_sequence_parallel_group(self) -> Any:
+        return self._axis().group
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return self._axis().size
+
+    def get_sequence_parallel_rank(self) -> int:
+        return self._axis().rank
+
+    def get_sequence_data_parallel_group(self) -> Any:
+        import torch.distributed as dist
+        self._axis()
+        return dist.group.WORLD
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        import torch.distributed as dist
+        self._axis()
+        return dist.get_world_size()
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        import torch.distributed as dist
+        self._axis()
+        return dist.get_rank()
+
+    # DeepSpeed's aliases: the sequence group is this mpu's "model parallel" group
+    get_model_parallel_group = get_sequence_parallel_group
+    get_model_parallel_world_size = get_sequence_parallel_world_size
+    get_model_parallel_rank = get_sequence_parallel_rank
+
+
+STATE = ParallelStateSP()
