@@ -1,6 +1,8 @@
 """DeepSpeed's ``deepspeed.runtime.sequence_parallel.ulysses_sp``: Ulysses sequence parallelism for
 Hugging Face models, as Accelerate, the Transformers Trainer and TRL call it
-(``zerodp.parallel.sequence_hf``)."""
+(``zerodp.parallel.sequence_hf``), and ALST's tiled MLP and tiled logits-and-loss
+(``zerodp.parallel.tiled``)."""
 from ...parallel.sequence_hf import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
+from ...parallel.tiled import TiledFusedLogitsLoss, TiledMLP
 
-__all__ = ["UlyssesSPAttentionHF", "UlyssesSPDataLoaderAdapter"]
+__all__ = ["UlyssesSPAttentionHF", "UlyssesSPDataLoaderAdapter", "TiledMLP", "TiledFusedLogitsLoss"]
