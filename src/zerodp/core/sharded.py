@@ -170,15 +170,19 @@ class ShardedParams:
         have backward gather it again when it reaches the unit's outputs."""
         if inside_backward() or unit.in_backward:
             return output  # recomputed for backward: the unit stays gathered until that ends
-        if torch.is_grad_enabled():
-            regather = functools.partial(self._unit_pre_backward, (unit,))
-            for t in tensors_in(output):
-                if t.requires_grad:
-                    t.register_hook(regather)
+        self._regather_in_backward(output, (unit,))
         unit.leave_forward()
         if unit.pins == 0 and not self.prefetcher.keep_after_forward(unit):
             unit.release()
         return output
+
+    def _regather_in_backward(self, output, units: "tuple[Unit, ...]") -> None:
+        """Have backward gather ``units`` again when it reaches ``output`` (with grad enabled)."""
+        if torch.is_grad_enabled():
+            regather = functools.partial(self._unit_pre_backward, units)
+            for t in tensors_in(output):
+                if t.requires_grad:
+                    t.register_hook(regather)
 
     def _unit_pre_backward(self, units: "tuple[Unit, ...]", grad):
         """Backward reached outputs of ``units``: gather them for their backward."""
@@ -209,11 +213,7 @@ class ShardedParams:
             u.unpin()
         if inside_backward():
             return output
-        if torch.is_grad_enabled():
-            regather = functools.partial(self._unit_pre_backward, tuple(units))
-            for t in tensors_in(output):
-                if t.requires_grad:
-                    t.register_hook(regather)
+        self._regather_in_backward(output, tuple(units))
         for u in units:
             if u.pins == 0 and not u.in_backward:
                 u.release()

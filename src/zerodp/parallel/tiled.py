@@ -43,15 +43,11 @@ class TiledMLP:
               compute_params: Optional[Sequence[torch.Tensor]] = None) -> torch.Tensor:
         params = _trained(compute_params)
         with GatheredParameters(params):  # stage 3: autograd records the parameters' whole shapes
-            return _TiledMLPWithParams.run(fn, module, x, shards, params)
+            return _TiledMLP.apply(fn, module, x, shards, *params)
 
 
-class _TiledMLPWithParams(torch.autograd.Function):
-    """``_TiledMLP`` with the parameters as inputs (so autograd accumulates their gradients once)."""
-
-    @staticmethod
-    def run(fn, module, x, shards, params):
-        return _TiledMLPWithParams.apply(fn, module, x, shards, *params)
+class _TiledMLP(torch.autograd.Function):
+    """``fn`` over tiles of ``x``, the parameters as inputs (so autograd accumulates their gradients once)."""
 
     @staticmethod
     def forward(ctx, fn, module, x, shards, *params):
