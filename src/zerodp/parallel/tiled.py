@@ -1,6 +1,7 @@
 """ALST's memory savers for long sequences: compute over tiles of the sequence, keep only the input,
 recompute each tile in backward (DeepSpeed's ``TiledMLP``, ``SequenceTiledCompute`` /
-``sequence_tiled_compute`` and ``TiledFusedLogitsLoss``, ``runtime.sequence_parallel.ulysses_sp``).
+``sequence_tiled_compute`` (any function of ``[batch, sequence, ...]`` inputs) and
+``TiledFusedLogitsLoss``, ``runtime.sequence_parallel.ulysses_sp``).
 
 An MLP's intermediate activations (``[tokens, 4 x hidden]`` and more) and the logits of a loss
 (``[tokens, vocabulary]``) are what long sequences run out of memory on. Here the forward runs tile
@@ -30,6 +31,8 @@ def _trained(params: Optional[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
 
 
 def _tile_grads(out: torch.Tensor, inputs: list[torch.Tensor], grad_out: Any) -> list[Optional[torch.Tensor]]:
+    if not inputs or not out.requires_grad:
+        return [None] * len(inputs)
     return list(torch.autograd.grad(out, inputs, grad_out, allow_unused=True))
 
 
@@ -75,6 +78,116 @@ class _TiledMLP(torch.autograd.Function):
                 if g is not None:
                     param_grads[i] = g if param_grads[i] is None else param_grads[i] + g
         return (None, None, x_grad, None, *param_grads)
+
+
+def sequence_tiled_compute(fn: Callable, seqlen: int, shards: int, kwargs_to_shard: dict, kwargs_to_pass: dict,
+                           grad_requiring_tensor_key: str, compute_params: Optional[Sequence[torch.Tensor]] = None,
+                           output_unshard_dimension: int = 1, output_reduction: Optional[str] = "mean") -> torch.Tensor:
+    """DeepSpeed's ``sequence_tiled_compute``: ``fn(**tile_kwargs, **kwargs_to_pass)`` over ``shards``
+    tiles of ``seqlen`` (each ``kwargs_to_shard`` value is ``[batch, seqlen, ...]``, cut along
+    dimension 1 in steps of ``ceil(seqlen / shards)``), recomputed tile by tile in backward. The
+    outputs are concatenated along ``output_unshard_dimension`` (0: each tile's output is a scalar,
+    stacked), then reduced by ``output_reduction`` (``None``, ``"mean"`` or ``"sum"``). Gradients
+    reach ``kwargs_to_shard[grad_requiring_tensor_key]`` and ``compute_params`` (summed over tiles)."""
+    return SequenceTiledCompute.apply(fn, seqlen, shards, list(kwargs_to_shard), list(kwargs_to_pass),
+                                      grad_requiring_tensor_key, compute_params, output_unshard_dimension,
+                                      output_reduction, *kwargs_to_shard.values(), *kwargs_to_pass.values())
+
+
+class SequenceTiledCompute:
+    """DeepSpeed's ``SequenceTiledCompute.apply(fn, seqlen, shards, keys_to_shard, keys_to_pass,
+    grad_requiring_tensor_key, compute_params, output_unshard_dimension, output_reduction, *args)``,
+    ``args`` the values of ``keys_to_shard`` then ``keys_to_pass``; see :func:`sequence_tiled_compute`."""
+
+    @staticmethod
+    def apply(fn: Callable, seqlen: int, shards: int, keys_to_shard: Sequence[str], keys_to_pass: Sequence[str],
+              grad_requiring_tensor_key: str, compute_params: Optional[Sequence[torch.Tensor]],
+              output_unshard_dimension: int, output_reduction: Optional[str], *args: Any) -> torch.Tensor:
+        if output_reduction not in (None, "mean", "sum"):
+            raise ValueError(f"sequence_tiled_compute: unknown output_reduction {output_reduction!r}: valid "
+                             "values are None, 'mean' and 'sum'")
+        keys = list(keys_to_shard) + list(keys_to_pass)
+        if len(args) != len(keys):
+            raise ValueError(f"sequence_tiled_compute: {len(args)} values for {len(keys)} keys")
+        if grad_requiring_tensor_key not in keys_to_shard:
+            raise ValueError(f"sequence_tiled_compute: grad_requiring_tensor_key {grad_requiring_tensor_key!r} "
+                             f"is not one of the sharded keys {list(keys_to_shard)}")
+        params = _trained(compute_params)
+        spec = _TileSpec(fn, int(seqlen), max(1, int(shards)), list(keys_to_shard), list(keys_to_pass),
+                         grad_requiring_tensor_key, output_unshard_dimension, output_reduction)
+        with GatheredParameters(params):  # stage 3: autograd records the parameters' whole shapes
+            return _SequenceTiled.apply(spec, len(args), *args, *params)
+
+
+class _TileSpec:
+    """What :class:`_SequenceTiled` computes, kept off autograd's inputs."""
+
+    def __init__(self, fn, seqlen, shards, keys_to_shard, keys_to_pass, key, dim, reduction):
+        self.fn, self.seqlen, self.shards = fn, seqlen, shards
+        self.keys_to_shard, self.keys_to_pass, self.key = keys_to_shard, keys_to_pass, key
+        self.dim, self.reduction = dim, reduction
+        step = -(-seqlen // shards)
+        self.cuts = [(lo, min(lo + step, seqlen)) for lo in range(0, seqlen, step)]  # no empty tile
+
+    def call(self, values: list, cut: tuple[int, int], grad_tensor: Optional[torch.Tensor] = None):
+        lo, hi = cut
+        kwargs = {k: v[:, lo:hi] for k, v in zip(self.keys_to_shard, values)}
+        if grad_tensor is not None:
+            kwargs[self.key] = grad_tensor
+        kwargs.update(zip(self.keys_to_pass, values[len(self.keys_to_shard):]))
+        return self.fn(**kwargs)
+
+
+class _SequenceTiled(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, spec, n_args, *inputs):
+        values, params = list(inputs[:n_args]), inputs[n_args:]
+        ctx.spec, ctx.n_args = spec, n_args
+        ctx.save_for_backward(*[v if isinstance(v, torch.Tensor) else None for v in values], *params)
+        ctx.others = [None if isinstance(v, torch.Tensor) else v for v in values]
+        with torch.no_grad():
+            outs = [spec.call(values, cut) for cut in spec.cuts]
+        ctx.sizes = [o.shape[spec.dim] if spec.dim != 0 or o.dim() > 0 else 1 for o in outs]
+        whole = (torch.stack([o.reshape(()) for o in outs]) if spec.dim == 0 and outs[0].dim() == 0
+                 else torch.cat(outs, dim=spec.dim))
+        ctx.whole_shape = whole.shape
+        if spec.reduction == "mean":
+            return whole.mean()
+        return whole.sum() if spec.reduction == "sum" else whole
+
+    @staticmethod
+    def backward(ctx, grad):
+        spec = ctx.spec
+        saved = list(ctx.saved_tensors)
+        values = [t if t is not None else o for t, o in zip(saved[:ctx.n_args], ctx.others)]
+        params = saved[ctx.n_args:]
+        if spec.reduction is not None:  # the gradient of each element of the unreduced output
+            numel = 1
+            for n in ctx.whole_shape:
+                numel *= n
+            grad = (grad / numel if spec.reduction == "mean" else grad).expand(ctx.whole_shape)
+        index = spec.keys_to_shard.index(spec.key)
+        source = values[index]
+        want = ctx.needs_input_grad[2 + index]
+        source_grad = torch.zeros_like(source) if want else None
+        param_grads: list[Optional[torch.Tensor]] = [None] * len(params)
+        at = 0
+        for cut, size in zip(spec.cuts, ctx.sizes):
+            tile = source[:, cut[0]:cut[1]].detach().requires_grad_(want)
+            with torch.enable_grad():
+                out = spec.call(values, cut, tile)
+            tile_grad = grad.narrow(spec.dim, at, size).reshape(out.shape)
+            at += size
+            got = _tile_grads(out, ([tile] if want else []) + list(params), tile_grad)
+            if want:
+                source_grad[:, cut[0]:cut[1]].copy_(got.pop(0))
+            for i, g in enumerate(got):
+                if g is not None:
+                    param_grads[i] = g if param_grads[i] is None else param_grads[i] + g
+        grads: list[Optional[torch.Tensor]] = [None] * ctx.n_args
+        grads[index] = source_grad
+        return (None, None, *grads, *param_grads)
 
 
 class _TiledLoss(torch.autograd.Function):
