@@ -399,8 +399,11 @@ class ActivationCheckpointingConfig(_Section):
     partition_activations: bool = Field(False, description="Not implemented (warned when true): checkpointed "
                                                            "activations are kept whole on every rank, as torch "
                                                            "keeps them. Same results, more memory.")
-    cpu_checkpointing: bool = Field(False, description="Not implemented (warned when true): checkpointed "
-                                                       "activations stay on the device.")
+    cpu_checkpointing: bool = Field(False, description="Checkpointed layers' inputs wait in host memory from "
+                                                       "forward until backward recomputes the layer: those of "
+                                                       "deepspeed.checkpointing.checkpoint and of Hugging Face "
+                                                       "layers under gradient checkpointing (the Trainer's "
+                                                       "gradient_checkpointing), run in the engine's forward.")
     contiguous_memory_optimization: bool = Field(False, description="Not implemented (warned when true); no "
                                                                     "effect on results.")
     number_checkpoints: int | None = Field(None, description="Accepted for compatibility; no effect.")
@@ -409,7 +412,7 @@ class ActivationCheckpointingConfig(_Section):
 
     @model_validator(mode="after")
     def _warn_unimplemented(self) -> "ActivationCheckpointingConfig":
-        on = [k for k in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization")
+        on = [k for k in ("partition_activations", "contiguous_memory_optimization")
               if getattr(self, k)]
         if on:
             warnings.warn(f"activation_checkpointing: {', '.join(on)} not implemented: activations are kept as "

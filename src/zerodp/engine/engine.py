@@ -73,6 +73,7 @@ from ..core.reduce import GradReducer
 from ..core.sharded import ShardedParams
 from ..core.stages import StagePolicy, policy_for
 from ..offload import OptimizerOffload, ParamOffload, group_cap
+from ..offload.activations import ActivationOffload
 from ..parallel import Parallelism, parallelisms_for, replaced_parameters
 from ..parallel import base as parallel
 from ..parallel.grid import Grid, build_grid
@@ -147,6 +148,9 @@ class ZeroEngine(EngineAPI, CheckpointAPI, nn.Module):
         select(self.device)
         self.precision = PrecisionPolicy.from_config(config)
         self.precision.cast_model(model)
+        # activation_checkpointing.cpu_checkpointing: checkpointed layers' inputs wait in host memory
+        self.activation_offload: Optional[ActivationOffload] = (
+            ActivationOffload() if config.activation_checkpointing.cpu_checkpointing else None)
         self.loss_scaler: Optional[LossScaler] = (LossScaler.from_config(config.fp16)
                                                   if config.fp16.enabled else None)
         self._skipped_steps = 0
@@ -317,7 +321,9 @@ class ZeroEngine(EngineAPI, CheckpointAPI, nn.Module):
         with self._timed("forward"):
             args, kwargs = parallel.prepare_inputs(self.parallelisms, args, kwargs)
             args, kwargs = self.precision.cast_inputs((args, kwargs))
-            with released_parameters_named(self.read_watch), parallel.enter_regions(self.parallelisms):
+            offload = (self.activation_offload.forward(self.module) if self.activation_offload is not None
+                       else contextlib.nullcontext())
+            with released_parameters_named(self.read_watch), parallel.enter_regions(self.parallelisms), offload:
                 out = self.module(*args, **kwargs)
             return out  # under loss parallelism the model's own hooks made the loss a plain tensor
 
