@@ -9,7 +9,7 @@ from torch import nn
 
 from ..core.flat import ALIGN_BYTES
 from .accounting import OptimizerSpec, _optimizer, make_accounting
-from .activations import Activations, estimate_activations
+from .activations import Activations, estimate_activations, longest_sequence
 from .buffers import estimate_buffers
 from .cluster import Cluster, resolve_cluster
 from .inputs import (
@@ -97,7 +97,8 @@ def estimate(model: Union[str, int, nn.Module, ModelInfo], *, nodes: int = 1, ra
              max_live_parameters: int = DEFAULT_MAX_LIVE, tp: int = 1,
              shard_size: Optional[int] = None, pp: int = 1, cluster: Union[None, str, dict, Cluster] = None,
              gradient_accumulation: int = 1, recalibrate: bool = False, fused_attention: bool = False,
-             virtual_stages: int = 1, hpz: Optional[int] = None) -> Estimate:
+             virtual_stages: int = 1, hpz: Optional[int] = None, sp: int = 1, tiled: bool = False,
+             offload_activations: bool = False) -> Estimate:
     """Per-rank memory of ZeRO stages 0-3, with and without offload, and a recommendation.
 
     ``model``: a parameter count (``"7.5B"`` or an int), a path to a ``transformers`` config
@@ -114,6 +115,11 @@ def estimate(model: Union[str, int, nn.Module, ModelInfo], *, nodes: int = 1, ra
     ``pp``: pipeline stages, each holding 1/pp of the parameters (an even split);
     ``virtual_stages``: chunks of layers per stage, for the interleaved 1F1B schedule.
     ``fused_attention``: activations without the attention scores (flash attention, SDPA).
+    ``sp``: Ulysses sequence parallelism over groups of ``sp`` ranks (ZeRO still shards over all the
+    data-parallel ranks, the sequence-parallel ones included; each rank holds ``seq_len / sp`` tokens
+    of activations); ``tiled``: ALST's tiled MLP and loss; ``offload_activations`` (with
+    ``checkpointing``): the layers' inputs in host memory (``cpu_checkpointing``). With a device
+    memory, each row also gets the longest sequence that fits (``row.longest_seq``).
     ``cluster`` (a preset name, ``"local"``, a JSON file or a :class:`Cluster`): every row also
     gets its predicted step time (``row.step_time``) for ``micro_batch`` (default 1) x ``seq_len``
     (default: the model's context) x ``gradient_accumulation`` micro-batches per step, and the
@@ -160,6 +166,9 @@ def estimate(model: Union[str, int, nn.Module, ModelInfo], *, nodes: int = 1, ra
             raise EstimateError("shard_size", f"{shard_size} does not divide the {n} data-parallel ranks")
         n = shard_size
     hpz = 1 if hpz is None else _positive_int(hpz, "hpz")
+    sp = _positive_int(sp, "sp")
+    if sp > 1:
+        _check_sequence_parallel(info, sp, world, tp, pp, shard_size, hpz, machines)
     if hpz > 1:
         if shard_size is not None:
             raise EstimateError("hpz", "hpZ keeps states over every data-parallel rank, hybrid sharding (shard_size) "
@@ -170,11 +179,17 @@ def estimate(model: Union[str, int, nn.Module, ModelInfo], *, nodes: int = 1, ra
             raise EstimateError("hpz", f"{hpz} does not divide the {n} data-parallel ranks")
     whole = info
     info = info.local(tp).stage(pp)
+    if seq_len is not None and seq_len % sp:
+        raise EstimateError("seq_len", f"{seq_len} tokens do not split over the {sp} sequence-parallel ranks")
     acts = estimate_activations(info, precision, micro_batch, seq_len, checkpointing, fused_attention, pp,
-                                virtual_stages)
+                                virtual_stages, sp=sp, tiled=tiled, offload=offload_activations)
     buffers = estimate_buffers(info, acc.params, reduce_bucket_size, max_live_parameters, pipeline=pp > 1)
     rows = [_with_fit(estimate_row(acc, info, stage, off, n, ranks_per_node, buffers, acts.bytes, hpz),
                       device, cpu) for stage, off in ROW_KEYS]
+    if device is not None and pp == 1:
+        rows = [replace(r, longest_seq=longest_sequence(
+            info, precision, micro_batch, device - (r.device_total - (r.activations or 0)), checkpointing,
+            fused_attention, sp, tiled, offload_activations)) for r in rows]
     if machines is not None:
         seq = seq_len or acts.seq_len or (whole.transformer.context if whole.transformer else None)
         if seq is None:
@@ -210,6 +225,13 @@ def estimate(model: Union[str, int, nn.Module, ModelInfo], *, nodes: int = 1, ra
     elif shard_size is not None:
         notes.append(f"hybrid sharding (MiCS, mics_shard_size {n}): every state sharded within groups of {n} "
                      "ranks and replicated across the groups; N above is the group")
+    if sp > 1:
+        notes.append(f"sequence parallelism (Ulysses): groups of {sp} ranks share each sequence; ZeRO shards "
+                     f"over all {n} data-parallel ranks, the sequence-parallel ones included, and the batch "
+                     f"counts {world // sp} data-parallel groups")
+    if acts.host:
+        notes.append(f"cpu_checkpointing: the layers' inputs, {_gb(acts.host)} per rank, wait in host memory "
+                     "(not in the CPU column)")
     if pp > 1:
         notes.append(f"pipeline parallelism: {pp} stages, Ψ is one stage's share ({_num(info.params)}, an even "
                      "split; a stage's real share follows its layers), plus the activations the schedule keeps for "
@@ -219,4 +241,21 @@ def estimate(model: Union[str, int, nn.Module, ModelInfo], *, nodes: int = 1, ra
                      f"micro-batch {job.micro_batch} x sequence {job.seq_len} x {gradient_accumulation} "
                      "micro-batch(es) per step; a model of the step (docs/estimate.md), not a measurement")
     return Estimate(info, nodes, ranks_per_node, precision, spec, acc, device, cpu, buffers, acts,
-                    rows, rec, reason, notes, tp=tp, shard_size=n, pp=pp, cluster=machines, hpz=hpz)
+                    rows, rec, reason, notes, tp=tp, shard_size=n, pp=pp, cluster=machines, hpz=hpz, sp=sp)
+
+
+def _check_sequence_parallel(info: ModelInfo, sp: int, world: int, tp: int, pp: int,
+                             shard_size: Optional[int], hpz: int, machines: Optional[Cluster]) -> None:
+    """What zerodp's sequence parallelism composes with (as the engine refuses it)."""
+    if world % sp:
+        raise EstimateError("sp", f"{sp} does not divide the {world} ranks")
+    if tp > 1 or pp > 1:
+        raise EstimateError("sp", "sequence parallelism with tensor or pipeline parallelism is refused, as "
+                                  "DeepSpeed refuses it")
+    if shard_size is not None or hpz > 1:
+        raise EstimateError("sp", "sequence parallelism with hybrid sharding or hpZ is not implemented in zerodp")
+    if machines is not None:
+        raise EstimateError("sp", "step times with sequence parallelism are not modelled: drop --time")
+    if info.transformer is not None and info.transformer.heads % sp:
+        raise EstimateError("sp", f"the model's {info.transformer.heads} attention heads do not split over "
+                                  f"{sp} sequence-parallel ranks")

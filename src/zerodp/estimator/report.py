@@ -44,6 +44,8 @@ class Estimate:
     """The cluster step times were predicted for (None: memory only)."""
     hpz: int = 1
     """ZeRO++ hpZ's secondary group size (1: off)."""
+    sp: int = 1
+    """Ulysses sequence-parallel size (1: off)."""
 
     @property
     def world_size(self) -> int:
@@ -62,7 +64,7 @@ class Estimate:
         return {
             "model": asdict(self.model),
             "nodes": self.nodes, "ranks_per_node": self.ranks_per_node, "world_size": self.world_size,
-            "tp": self.tp, "pp": self.pp, "shards": self.shards, "hpz": self.hpz,
+            "tp": self.tp, "pp": self.pp, "sp": self.sp, "shards": self.shards, "hpz": self.hpz,
             "precision": self.precision,
             "optimizer": asdict(self.optimizer),
             "accounting": {**asdict(self.accounting), "k": self.accounting.k,
@@ -163,8 +165,15 @@ def format_estimate(est: Estimate) -> str:
         lines.append(f"activations: {a.note}; 'fits' counts model states and buffers only")
     else:
         lines += [f"activations: {_gb(a.bytes)} per rank (micro-batch {a.micro_batch}, sequence "
-                  f"{a.seq_len}; per layer {_gb(a.per_layer)}, logits {_gb(a.logits)}), included in 'fits'",
+                  f"{a.seq_len}" + (f", {a.seq_len // a.sp} per rank" if a.sp > 1 else "")
+                  + f"; per layer {_gb(a.per_layer)}, logits {_gb(a.logits)}), included in 'fits'"
+                  + (f"; {_gb(a.host)} in host memory" if a.host else ""),
                   f"  formula: {a.formula}", f"  {a.note}"]
+    longest = [(r.label, r.longest_seq) for r in est.rows if r.runnable and r.longest_seq is not None]
+    if est.device_memory and a.bytes is not None:
+        lines.append(f"longest sequence within {_gb(est.device_memory)} (micro-batch {a.micro_batch}"
+                     + (f", sequence-parallel {est.sp}" if est.sp > 1 else "") + "): "
+                     + ("; ".join(f"{label} {n:,}" for label, n in longest) if longest else "none fits"))
     lines += [f"note: {n}" for n in est.notes if n != a.note]
     if est.cluster is not None and est.recommendation is not None:
         t = est.recommendation.step_time

@@ -44,6 +44,8 @@ class Row:
     fits_cpu: Optional[bool] = None
     step_time: Optional[StepTime] = None
     """Predicted step time on a cluster (``estimate(..., cluster=...)``), else None."""
+    longest_seq: Optional[int] = None
+    """The longest sequence whose activations fit beside this row's states and buffers (device memory given)."""
 
     @property
     def label(self) -> str:

@@ -137,6 +137,13 @@ def _estimate_add_arguments(parser: argparse.ArgumentParser) -> None:
         "context length)")
     add("--checkpointing", action="store_true",
         help="activation checkpointing: keep each layer's input, recompute one layer at a time")
+    add("--sp", default="1", metavar="N", help="Ulysses sequence parallelism (sequence_parallel_size): groups of "
+        "N ranks share each sequence, each holding seq/N tokens of activations; ZeRO shards over all the "
+        "data-parallel ranks, these included (default 1)")
+    add("--tiled", action="store_true", help="ALST's tiled MLP and tiled logits-and-loss: the MLP keeps its input "
+        "and one tile's intermediates, the loss one tile's logits")
+    add("--offload-activations", action="store_true", help="with --checkpointing: the layers' inputs wait in host "
+        "memory (activation_checkpointing.cpu_checkpointing)")
     add("--fused-attention", action="store_true", help="activations without the attention scores, as with "
         "flash attention or scaled_dot_product_attention (default: counted, an upper bound)")
     add("--reduce-bucket-size", default=None, help="zero_optimization.reduce_bucket_size in "
@@ -185,7 +192,8 @@ def _run_estimate(args: argparse.Namespace) -> int:
             accounting=args.accounting, micro_batch=args.micro_batch, seq_len=args.seq_len,
             checkpointing=args.checkpointing, fused_attention=args.fused_attention, tp=args.tp, pp=args.pp,
             virtual_stages=args.virtual_stages,
-            shard_size=None if args.hybrid_shard is None else args.hybrid_shard, hpz=args.hpz, **defaults)
+            shard_size=None if args.hybrid_shard is None else args.hybrid_shard, hpz=args.hpz, sp=args.sp,
+            tiled=args.tiled, offload_activations=args.offload_activations, **defaults)
     except estimator.EstimateError as e:
         _error(f"--{e.name.replace('_', '-')}: {e.detail}", "estimate")
         return 2
