@@ -130,6 +130,21 @@ def test_cli(llama):
         assert heads.returncode == 2 and "4 attention heads do not split over 8" in heads.stderr, heads.stderr[-800:]
 
 
+def test_sequence_parallel_ranks_hold_their_slice_of_the_activations(llama):
+    """Ulysses over 4 of 8 ranks: the same model states (ZeRO over all 8), a quarter of the tokens
+    per rank, so what the step adds to them shrinks by well over half."""
+    one, four = _run([{"model": llama, "world": 8, "stage": 3, "seq": 512, "precision": "fp32", "sp": sp}
+                      for sp in (1, 4)])
+    assert four["sp"] == 4 and four["model_states"] == one["model_states"]
+    assert four["peak"] - four["at_start"] < 0.5 * (one["peak"] - one["at_start"]), (one["peak"], four["peak"])
+    base = [sys.executable, "-m", "zerodp.tools.cli", "simulate", "--world", "8", "--stage", "3", "--steps", "1"]
+    for args, why in ((["--model", llama, "--seq", "30", "--sp", "4"], "30 tokens do not split over the 4"),
+                      (["--model", "zerodp.examples.gpt:build_gpt", "--seq", "32", "--sp", "2"],
+                       "transformers causal LM")):
+        bad = subprocess.run(base + args, capture_output=True, text=True, timeout=300)
+        assert bad.returncode == 2 and why in bad.stderr and "Traceback" not in bad.stderr, bad.stderr[-2000:]
+
+
 def test_a_failed_simulation_ends_its_process_group(llama):
     """The Python API: a simulation that fails (heads that do not split) leaves no process group
     behind, so the next one in the same process runs."""

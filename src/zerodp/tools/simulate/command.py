@@ -27,6 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--pp", type=int, default=1, help="pipeline stages (default 1); a transformers decoder-only config is "
         "split into stages by parameter counts and the rank's stage runs as a one-stage pipeline over its "
         "data x tensor ranks (docs/estimate.md)")
+    add("--sp", type=int, default=1, help="Ulysses sequence parallelism: groups of N ranks share each sequence, "
+        "the rank runs seq/N tokens (a transformers config; default 1)")
     add("--precision", default="bf16", choices=list(PRECISIONS), help="default bf16")
     add("--offload", default="none", choices=list(OFFLOADS), help="what moves to CPU memory (default none)")
     add("--micro-batch", type=int, default=1, help="sequences per micro-batch (default 1)")
@@ -56,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
             warnings.simplefilter("ignore", FutureWarning)
             sim = simulate(args.model, world=args.world, rank=args.rank, stage=args.stage, tp=args.tp, pp=args.pp,
                            precision=args.precision, offload=args.offload, micro_batch=args.micro_batch,
-                           seq=args.seq, steps=args.steps, model_kwargs=kwargs, config=config, progress=progress)
+                           seq=args.seq, steps=args.steps, model_kwargs=kwargs, config=config, sp=args.sp,
+                           progress=progress)
     except EstimateError as e:
         launch.error(f"--{e.name.replace('_', '-')}: {e.detail}", "simulate")
         return 2

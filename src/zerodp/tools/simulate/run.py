@@ -55,6 +55,8 @@ class Simulation:
     notes: list[str] = field(default_factory=list)
     pipeline_stage: int = 0
     p2p_bytes: int = 0
+    sp: int = 1
+    """Ulysses sequence-parallel size: the rank ran ``seq / sp`` tokens of each sequence."""
     """Bytes this rank's pipeline stage sends point to point per step (computed: activations
     forward, their gradients back), in ``bytes_per_step`` too."""
 
@@ -90,7 +92,7 @@ def _fake_world(world: int, rank: int) -> None:
 
 
 def _config(stage: int, tp: int, precision: str, offload: str, micro_batch: int, accumulation: int,
-            base: Optional[dict]) -> dict:
+            base: Optional[dict], sp: int = 1) -> dict:
     cfg = dict(base or {})
     cfg["train_micro_batch_size_per_gpu"] = micro_batch
     cfg.pop("train_batch_size", None)
@@ -107,6 +109,8 @@ def _config(stage: int, tp: int, precision: str, offload: str, micro_batch: int,
         cfg[key] = {**(cfg.get(key) or {}), "enabled": precision == key}
     if tp > 1:
         cfg["tensor_parallel"] = {**(cfg.get("tensor_parallel") or {}), "autotp_size": tp}
+    if sp > 1:
+        cfg["sequence_parallel_size"] = sp
     return cfg
 
 
@@ -132,14 +136,20 @@ def _loss_of(out: Any) -> torch.Tensor:
                                  "loss (a scalar tensor, a tuple holding one, or an output with .loss)")
 
 
+def _is_causal_lm(model: nn.Module) -> bool:
+    """A transformers causal LM (called with ``input_ids=`` and ``labels=``)."""
+    return getattr(model, "config", None) is not None and hasattr(model, "generation_config")
+
+
 def _step(engine, model: nn.Module, batch: tuple) -> None:
     if hasattr(engine, "train_batch"):  # a pipeline: one micro-batch per accumulation step
         engine.train_batch(iter([batch] * engine.gradient_accumulation_steps()))
         return
     ids = batch[0]
+    extra = batch[2] if len(batch) > 2 else {}
     for _ in range(engine.gradient_accumulation_steps()):
-        if getattr(model, "config", None) is not None and hasattr(model, "generation_config"):
-            loss = _loss_of(engine(input_ids=ids, labels=ids))  # a transformers causal LM
+        if _is_causal_lm(model):
+            loss = _loss_of(engine(input_ids=ids, labels=ids, **extra))  # a transformers causal LM
         else:
             loss = _loss_of(engine(ids, ids))
         engine.backward(loss)
@@ -149,11 +159,13 @@ def _step(engine, model: nn.Module, batch: tuple) -> None:
 def simulate(model: str, *, world: int, stage: int, rank: int = 0, tp: int = 1, pp: int = 1,
              precision: str = "bf16", offload: str = "none", micro_batch: int = 1, seq: int = 128,
              model_kwargs: Optional[dict] = None, config: Optional[dict] = None, steps: int = 2,
-             accumulation: Optional[int] = None,
+             accumulation: Optional[int] = None, sp: int = 1,
              progress: Optional[Callable[[str], None]] = None) -> Simulation:
     """Run ``steps`` optimizer steps of ``model`` as rank ``rank`` of ``world`` over a fake process
     group (in this process, which must not have started one; it is ended again, also on an error)
-    and measure the last; see the package docstring."""
+    and measure the last; see the package docstring. ``sp``: Ulysses sequence parallelism (a
+    transformers model, its attention wrapped as DeepSpeed's ``UlyssesSPAttentionHF`` wraps it):
+    the rank runs ``seq / sp`` tokens of each sequence."""
     say = progress or (lambda _m: None)
     if precision not in PRECISIONS:
         raise EstimateError("precision", f"{precision!r}; allowed: {', '.join(PRECISIONS)}")
@@ -169,10 +181,12 @@ def simulate(model: str, *, world: int, stage: int, rank: int = 0, tp: int = 1, 
         raise EstimateError("rank", f"{rank} is not a rank of a world of {world}")
     if world % (tp * pp):
         raise EstimateError("tp", f"tensor {tp} x pipeline {pp} does not divide the {world} ranks")
+    if sp > 1 and seq % sp:
+        raise EstimateError("seq", f"{seq} tokens do not split over the {sp} sequence-parallel ranks")
     spec = ModelSpec(model, model_kwargs)
     hpz = int(((config or {}).get("zero_optimization") or {}).get("zero_hpz_partition_size", 1) or 1)
     est = estimate(model, model_kwargs=model_kwargs, ranks_per_node=world, precision=precision, tp=tp, pp=pp,
-                   micro_batch=micro_batch, seq_len=seq, hpz=hpz if stage == 3 else None)
+                   micro_batch=micro_batch, seq_len=seq, hpz=hpz if stage == 3 else None, sp=sp)
     row = est.row(stage, offload)
     import zerodp
 
@@ -196,7 +210,7 @@ def simulate(model: str, *, world: int, stage: int, rank: int = 0, tp: int = 1, 
     try:
         dev = devices.default_device()
         accumulation = accumulation or max(pp, int((config or {}).get("gradient_accumulation_steps", 1)))
-        cfg = _config(stage, tp, precision, offload, micro_batch, accumulation, config)
+        cfg = _config(stage, tp, precision, offload, micro_batch, accumulation, config, sp)
         where = f" (pipeline stage {pipe_stage} of {pp})" if pp > 1 else ""
         say(f"building rank {rank} of {world}'s model{where}")
         t0 = time.perf_counter()
@@ -205,13 +219,18 @@ def simulate(model: str, *, world: int, stage: int, rank: int = 0, tp: int = 1, 
                             partition=partition)
         params = sum(local_tensor(p).numel() for p in built.parameters())
         say("initialize (stage 3: one unit at a time)")
+        mpu = _sequence_parallel(built, sp, micro_batch, seq) if sp > 1 else None
         with no_initialization(built):
-            engine, _, _, _ = zerodp.initialize(model=built, config=cfg, param_init_fn=_no_init)
+            engine, _, _, _ = zerodp.initialize(model=built, config=cfg, param_init_fn=_no_init, mpu=mpu)
         if pp > 1:
             batch = pipeline.stage_batch(spec, pipe_stage, micro_batch, seq, PRECISIONS[precision], dev)
         else:
-            ids = torch.randint(0, _vocab(built), (micro_batch, seq), device=dev)
+            local = seq // sp  # this rank's slice of each sequence
+            ids = torch.randint(0, _vocab(built), (micro_batch, local), device=dev)
             batch = (ids, ids)
+            if sp > 1:
+                start = mpu.get_sequence_parallel_rank() * local
+                batch += ({"position_ids": torch.arange(start, start + local, device=dev).expand(micro_batch, -1)},)
         for i in range(steps - 1):
             say(f"step {i + 1} of {steps} (not measured: it creates the optimizer states and records the "
                 "order of units that later steps prefetch in)")
@@ -238,12 +257,31 @@ def simulate(model: str, *, world: int, stage: int, rank: int = 0, tp: int = 1, 
                          f"{accumulation} micro-batches; point-to-point bytes computed, not simulated")
         sim = Simulation(model, world, rank, stage, tp, pp, world // (tp * pp), precision, offload, micro_batch, seq,
                          params, categories, meter.peak, meter.start, stats, estimated, seconds,
-                         device_peak(dev), notes, pipe_stage, p2p)
+                         device_peak(dev), notes, pipe_stage, p2p, sp)
         engine.destroy()
     finally:
+        if sp > 1:
+            from ...parallel import sequence, sequence_hf
+            sequence_hf.unregister_from_transformers()
+            sequence.forget_sequence_axis()
         dist.destroy_process_group()
     gc.collect()
     return sim
+
+
+def _sequence_parallel(model: nn.Module, sp: int, micro_batch: int, seq: int):
+    """Wrap a transformers model's attention in Ulysses over groups of ``sp`` ranks; the ``mpu``."""
+    if not _is_causal_lm(model):
+        raise EstimateError("sp", "sequence parallelism is simulated on a transformers causal LM (a config), whose "
+                                  "attention Ulysses wraps; this model is not one")
+    from ...parallel.sequence_hf import UlyssesSPAttentionHF
+    impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
+    try:
+        return UlyssesSPAttentionHF.register_with_transformers(model, core_attn_implementation=impl,
+                                                               sequence_parallel_size=sp, micro_batch_size=micro_batch,
+                                                               seq_length=seq)
+    except ValueError as e:
+        raise EstimateError("sp", str(e)) from None
 
 
 def _no_init(module: nn.Module) -> None:
