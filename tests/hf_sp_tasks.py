@@ -38,16 +38,22 @@ def dataset(n: int = 24):
 
 
 def sp_kwargs(case: str) -> dict:
-    """The Trainer arguments of a sequence-parallel case (none for ``plain``)."""
+    """The Trainer arguments of a sequence-parallel case (none for ``plain``); ``-ckoff``: the Trainer's
+    gradient checkpointing with ``activation_checkpointing.cpu_checkpointing``."""
     if case.endswith("plain"):
         return {}
-    stage, sp = int(case.split("z")[-1][0]), int(case.split("-sp")[1])
+    stage, sp = int(case.split("z")[-1][0]), int(case.split("-sp")[1][0])
     from accelerate.utils import DeepSpeedSequenceParallelConfig, ParallelismConfig
+    config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+              "gradient_clipping": "auto", "train_batch_size": "auto", "zero_optimization": {"stage": stage}}
+    extra = {}
+    if case.endswith("-ckoff"):
+        config["activation_checkpointing"] = {"cpu_checkpointing": True}
+        extra = {"activation_checkpointing": True, "activation_checkpointing_kwargs": {"use_reentrant": False}}
     return {"parallelism_config": ParallelismConfig(
         sp_backend="deepspeed", sp_size=sp,
         sp_handler=DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa")),
-        "deepspeed": {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-                      "gradient_clipping": "auto", "train_batch_size": "auto", "zero_optimization": {"stage": stage}}}
+        "deepspeed": config, **extra}
 
 
 COMMON = dict(per_device_train_batch_size=MICRO, max_steps=3, learning_rate=1e-2, weight_decay=0.0, warmup_steps=0,
@@ -65,7 +71,9 @@ def run_sft_case(case: str, out_dir: str) -> dict:
                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                          pad_token_id=96, eos_token_id=97, bos_token_id=99))
     model.config._attn_implementation = "sdpa"
-    args = SFTConfig(output_dir=os.path.join(out_dir, case), max_length=16, **COMMON, **sp_kwargs(case))
+    # fp32: SFTConfig turns bf16 on by default, which the plain run takes as autocast over fp32 weights and a
+    # DeepSpeed config (zerodp's or DeepSpeed's) as bf16 weights, two trainings that part within steps
+    args = SFTConfig(output_dir=os.path.join(out_dir, case), max_length=16, bf16=False, **COMMON, **sp_kwargs(case))
     trainer = SFTTrainer(model=model, args=args, processing_class=tokenizer(),
                          train_dataset=Dataset.from_dict({"text": sentences(24, 15, 5)}))
     trainer.train()
@@ -83,7 +91,9 @@ def run_case(case: str, out_dir: str) -> dict:
     trainer = Trainer(model=model, args=args, train_dataset=dataset(), data_collator=default_data_collator)
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
-    return {"loss": [h["loss"] for h in logs], "grad_norm": [float(h["grad_norm"]) for h in logs]}
+    offload = getattr(trainer.model_wrapped, "activation_offload", None)  # the engine's (activation_checkpointing)
+    return {"loss": [h["loss"] for h in logs], "grad_norm": [float(h["grad_norm"]) for h in logs],
+            "offload_marked": offload.stats.marked if offload is not None else 0}
 
 
 def main() -> None:
