@@ -17,6 +17,10 @@ MODE:
   ``user_group``: the script starts the group itself (torch.distributed.init_process_group) and
   destroys it itself at its end, as torch asks: zerodp leaves a group it did not start alone,
   and still tears its engine down at exit.
+  ``user_group_left``: the script starts the group itself and never destroys it (as Accelerate's
+  CPU jobs leave theirs): zerodp's last exit handler, registered when zerodp is imported, destroys
+  it after the script's own handlers; a handler registered before ``import zerodp`` then prints
+  ``after zerodp: group alive False, gloo threads 0``.
   ``async_save DIR``: the last step is followed by an asynchronous checkpoint save into DIR,
   still writing when the script returns.
 """
@@ -29,7 +33,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import zerodp
+MODE = sys.argv[1] if len(sys.argv) > 1 else "plain"
+if MODE == "user_group_left":  # registered before zerodp's import-time handler, so run after it
+    atexit.register(lambda: print(f"after zerodp: group alive {dist.is_initialized()}, gloo threads "
+                                  f"{gloo_threads()}", flush=True))
+
+import zerodp  # noqa: E402
 
 
 def gloo_threads() -> int:
@@ -48,7 +57,7 @@ def main() -> None:
     mode = sys.argv[1] if len(sys.argv) > 1 else "plain"
     atexit.register(lambda: print(f"at exit: group alive {dist.is_initialized()}, gloo threads {gloo_threads()}",
                                   flush=True))
-    if mode == "user_group":
+    if mode in ("user_group", "user_group_left"):
         dist.init_process_group("gloo")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))

@@ -40,6 +40,17 @@ def test_job_without_teardown_exits_0(mode):
     check_clean_exit(proc)
 
 
+def test_a_group_the_script_leaves_alive_is_destroyed_after_its_exit_handlers():
+    """The script starts its gloo group and never destroys it: its own exit handler still finds the
+    group alive (zerodp leaves it to the script's handlers), and after them zerodp's last handler
+    destroys it, its gloo threads joined before finalization."""
+    proc, _ = run_job("user_group_left")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "terminate called" not in out, out[-3000:]
+    assert proc.stdout.count("at exit: group alive True") == 2, out[-3000:]
+    assert proc.stdout.count("after zerodp: group alive False, gloo threads 0") == 2, out[-3000:]
+
+
 def test_peer_already_gone_does_not_hang():
     """Rank 1 ends with os._exit (no exit handlers, connections dropped); rank 0 tears down two
     seconds later with its peer gone: no barrier to wait in, no hang, exit 0."""

@@ -19,9 +19,13 @@ pools), before finalization. It
    group made from it.
 
 A group the script started itself (``torch.distributed.init_process_group``) is left to the
-script, as DeepSpeed and torch leave it: zerodp does not destroy what it did not create, and
-the script may still need it in an exit handler of its own. Such a script should end with
-``torch.distributed.destroy_process_group()``.
+script while its exit handlers may still need it: zerodp does not destroy it in :func:`at_exit`.
+Such a script should end with ``torch.distributed.destroy_process_group()``. Many do not
+(Accelerate starts the group of a CPU job itself and leaves it), and a gloo group left alive
+into finalization aborts the finished job now and then, as above. So a second handler,
+:func:`at_last_exit`, registered when zerodp is imported and therefore run after every exit
+handler registered later (:mod:`atexit` runs them last in, first out), destroys a gloo default
+group still alive then, in a process that built an engine, and collects it.
 
 A group destroyed by ``destroy_process_group()`` still lives on while any Python object refers
 to it, and so do its gloo threads. One such reference is torch's own: ``torch.distributed.nn``
@@ -60,6 +64,31 @@ _lock = threading.Lock()
 _installed_in: Optional[int] = None  # the process that registered at_exit
 _our_group: Optional[object] = None  # the default group zerodp started (compared by identity)
 _releases: list[Callable[[], None]] = []  # what drops zerodp's references to process groups
+
+
+def at_last_exit() -> None:
+    """After the script's own exit handlers: destroy a gloo default group that a process which used
+    zerodp (built an engine or started a group) left alive, so that its threads are joined before
+    finalization (see the module docstring)."""
+    if _installed_in is None or os.getpid() != _installed_in:
+        return  # zerodp was imported and not used here, or this is a forked child
+    group = _default_group()
+    if group is None:
+        return
+    try:
+        if dist.get_backend() != "gloo":
+            return
+        dist.destroy_process_group()
+    except Exception as e:  # noqa: BLE001 - the process is ending either way
+        logger.debug("at exit: destroying the script's gloo group failed: %s: %s", type(e).__name__, e)
+        return
+    for release in _releases:
+        release()
+    unpin_group_defaults()
+    gc.collect()
+
+
+atexit.register(at_last_exit)  # at import, so it runs after the handlers registered later
 
 
 def on_exit_release(release: Callable[[], None]) -> None:
