@@ -144,3 +144,31 @@ def adapter_slices(group) -> dict:
     sp_mod.forget_sequence_axis()
     return {"served": [{k: (v.tolist() if torch.is_tensor(v) else v) for k, v in b.items()} for b in served],
             "length": len(adapter), "stopped": stopped, "error": error}
+
+
+def flex_forward(group) -> float:
+    """flex attention under Ulysses (sp 2 of 4 ranks), forward only (torch has no flex backward on
+    the CPU): each rank's slice of the logits against one process's whole-sequence forward; the
+    largest difference."""
+    sp_mod.forget_sequence_axis()
+    sequence_hf.unregister_from_transformers()
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    ref = LlamaForCausalLM(LlamaConfig(**cfg, attn_implementation="sdpa"))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**cfg, attn_implementation="flex_attention"))
+    mpu = sequence_hf.UlyssesSPAttentionHF.register_with_transformers(
+        model, core_attn_implementation="flex_attention", sequence_parallel_size=2, micro_batch_size=BATCH)
+    try:
+        ids = _batches(1, 1)[0]
+        chunk = SEQ // 2
+        cut = slice(mpu.get_sequence_parallel_rank() * chunk, (mpu.get_sequence_parallel_rank() + 1) * chunk)
+        with torch.no_grad():
+            mine = model(input_ids=ids[:, cut], position_ids=torch.arange(SEQ)[cut].expand(BATCH, -1)).logits
+            want = ref(input_ids=ids).logits[:, cut]
+        return (mine - want).abs().max().item()
+    finally:
+        sequence_hf.unregister_from_transformers()
+        sp_mod.forget_sequence_axis()

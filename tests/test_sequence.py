@@ -79,3 +79,18 @@ def test_the_data_loader_adapter_serves_each_ranks_batch_sliced(pool):
             assert b["shift_labels"] == [(ids[1:] + [-100])[2 * rank:2 * rank + 2]]
             assert b["tag"] == source and "labels" not in b
         assert "no 'position_ids'" in r["error"]
+
+
+def test_flex_attention_under_ulysses_gives_the_whole_sequences_output(pool):
+    """The model's flex ``BlockMask`` is made for a rank's slice; the wrapper attends causally over
+    the whole sequence instead. Forward only: torch has no flex attention backward on the CPU."""
+    from sequence_hf_tasks import flex_forward
+    for diff in pool.run(flex_forward, 4):
+        assert diff < 1e-5, diff
+
+
+def test_eager_attention_is_refused_with_what_to_use():
+    pytest.importorskip("transformers")
+    from zerodp.parallel.sequence_hf import UlyssesSPAttentionHF
+    with pytest.raises(ValueError, match="'eager'.*use sdpa, flash_attention_2/3 or flex_attention"):
+        UlyssesSPAttentionHF.register_with_transformers("unused", "eager", 2, 1)

@@ -7,9 +7,10 @@ asks for sequence parallelism.
   puts a Ulysses wrapper in transformers' attention registry under the model's own implementation
   name (``sdpa``, ``flash_attention_2``, ...), so the model's code paths for that name keep working;
   it returns the ``mpu`` that ``initialize(mpu=...)`` takes (``parallel_state_sp``).
-* The wrapper drops the attention mask (a causal core over the whole sequence; only a flex
-  attention ``BlockMask`` passes) and needs ``position_ids``, which it all-gathers over the group:
-  the core sees the whole sequence's positions.
+* The wrapper drops the attention mask (a causal core over the whole sequence; a flex attention
+  ``BlockMask``, made by the model for this rank's slice, is replaced by a causal one over the whole
+  sequence, as DeepSpeed's is) and needs ``position_ids``, which it all-gathers over the group: the
+  core sees the whole sequence's positions.
 * :class:`UlyssesSPDataLoaderAdapter` wraps a data loader: the ranks of a group each draw a batch,
   exchange them, and serve, one after the other, this rank's slice of every one; labels are
   shifted on the whole sequence first (``shift_labels``, -100 at the end), so no target is lost at
@@ -72,6 +73,8 @@ class UlyssesSPAttentionHF(torch.nn.Module):
             key, value = key.repeat_interleave(self.repeat, dim=1), value.repeat_interleave(self.repeat, dim=1)
         q, k, v = (all_to_all(t, self.comm, 1, 2, what=name)
                    for t, name in ((query, "queries"), (key, "keys"), (value, "values")))
+        if attention_mask is not None:  # a flex BlockMask made for the slice: causal over the whole sequence
+            attention_mask = self._causal_block_mask(q.shape[0], q.shape[2], q.device)
         groups = getattr(module, "num_key_value_groups", None)
         if groups is not None:  # this rank's heads per key/value head, for the call
             module.num_key_value_groups = q.shape[1] // k.shape[1]
@@ -81,6 +84,20 @@ class UlyssesSPAttentionHF(torch.nn.Module):
             if groups is not None:
                 module.num_key_value_groups = groups
         return all_to_all(out, self.comm, 1, 2, what="attention output"), weights  # [b, s/sp, h, d]
+
+    def _causal_block_mask(self, batch: int, length: int, device: torch.device) -> Any:
+        """flex attention's causal ``BlockMask`` over the whole sequence, made once per shape (the
+        model's own was made for this rank's slice)."""
+        key = (batch, length, str(device))
+        if getattr(self, "_block_mask_key", None) != key:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            def causal(b, h, q_idx, kv_idx):
+                return q_idx >= kv_idx
+
+            self._block_mask = create_block_mask(causal, B=batch, H=None, Q_LEN=length, KV_LEN=length, device=device)
+            self._block_mask_key = key
+        return self._block_mask
 
     @classmethod
     def register_with_transformers(cls, model_name_or_path: Any, core_attn_implementation: str,
