@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks, in one script, on a machine with one CUDA GPU (about 8 minutes on an H100):
 #
-#   bash benchmarks/gpu_check.sh [setup] [tests] [sanitizer] [bench] [largest]   # default: all
+#   bash benchmarks/gpu_check.sh [setup] [tests] [sanitizer] [bench] [largest] [sequence]   # default: all
 #
 #   setup      install zerodp (editable, no network: its dependencies must be there already, or
 #              lie as wheels in .whl/ at the repository root, which this installs first)
@@ -9,10 +9,12 @@
 #   sanitizer  stage 3 and offload cases again under TORCH_CUDA_SANITIZER=1 (torch's stream checker)
 #   bench      benchmarks/gpu_throughput.py: tokens/s and MFU, zerodp against FSDP2 with CPU offload
 #   largest    the largest Llama that trains a step with optimizer and parameters in host memory
+#   sequence   benchmarks/sequence.py on one GPU: the longest sequence Llama-3.2-1B's shapes train in
+#              40 GiB added, stock, and with the tiled MLP and loss, checkpointing and activation offload
 #
 # Logs go to $OUT (or ./gpu_check_out): tests.log, sanitizer.log, bench.log, and JSON/XML beside.
 # Each phase's time limit in seconds can be set: T_TESTS (300), T_SANITIZER (150), T_BENCH (170),
-# T_LARGEST (260); the benchmarks' own budgets are 10 s less.
+# T_LARGEST (260), T_SEQUENCE (240); the benchmarks' own budgets are 10 s less.
 #
 # A machine without pydantic (a CUDA image with torch, transformers, peft, accelerate and Lightning,
 # and no network) needs its wheels in .whl/, fetched where the network is, for that machine's Python
@@ -28,7 +30,7 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_check_out}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
-PHASES="${*:-setup tests sanitizer bench largest}"
+PHASES="${*:-setup tests sanitizer bench largest sequence}"
 has() { case " $PHASES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 stamp() { echo "== $(date +%T) $*"; }
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -78,6 +80,13 @@ if has largest; then
   stamp "largest: Llama 7B with optimizer and parameters in host memory"
   T=${T_LARGEST:-260}; timeout "$T" "$PY" benchmarks/gpu_throughput.py --systems --largest "${LARGEST:-7b}" --seq 2048 --budget $((T - 10)) \
       --json "$OUT/largest.json" 2>&1 | tee "$OUT/largest.log" | tail -12
+fi
+
+if has sequence; then
+  stamp "sequence: the longest sequence on one GPU, stock against tiled, checkpointed and offloaded"
+  T=${T_SEQUENCE:-240}; timeout "$T" "$PY" benchmarks/sequence.py --device cuda --preset 1b --sps 1 \
+      --variants plain tiled+ckpt tiled+ckpt+offload --budget-mib 40960 --start 8192 --max-length 262144 \
+      --timeout 60 2>&1 | tee "$OUT/sequence.log" | tail -12
 fi
 
 stamp "done (status $status)"

@@ -1,21 +1,27 @@
 """The longest sequence a small Llama trains at Ulysses sequence-parallel sizes 1, 2 and 4 within a
-fixed memory budget per rank, with and without ALST's tiled MLP and tiled loss, and the step time
-at it.
+fixed memory budget per rank, with and without ALST's tiled MLP and tiled loss and checkpointed
+activations in host memory, and the step time at it.
 
-Each (size, tiling, length) runs in fresh ``torchrun`` processes (one rank per sequence-parallel
-rank, data parallelism 1, ZeRO stage 3, fp32, AdamW), one warm-up step and one timed step, glibc
-returning freed memory (``MALLOC_MMAP_THRESHOLD_``). A rank's peak is its resident set's high-water
-mark during the two steps (reset after set-up through ``/proc/self/clear_refs``), over the RSS
-after set-up: what the step adds (activations, logits, gathered parameters). The length doubles
-from ``--start`` until a run's largest peak passes ``--budget-mib`` or fails; the table gives the
-longest that fitted.
+Each (size, variant, length) runs in fresh ``torchrun`` processes (one rank per sequence-parallel
+rank, data parallelism 1, ZeRO stage 3, fp32, AdamW), one warm-up step and one timed step. On the
+CPU, glibc returns freed memory (``MALLOC_MMAP_THRESHOLD_``) and a rank's peak is its resident
+set's high-water mark during the two steps (reset after set-up through ``/proc/self/clear_refs``)
+over the RSS after set-up; on a GPU (``--device cuda``) it is the allocator's peak over what was
+allocated after set-up. Either way: what the step adds (activations, logits, gathered parameters).
+The length doubles from ``--start`` until a run's largest peak passes ``--budget-mib`` or fails; the
+table gives the longest that fitted.
 
     python benchmarks/sequence.py                        # sizes 1 2 4, budget 1024 MiB per rank, up to 16384
     python benchmarks/sequence.py --sps 1 2 --budget-mib 1024 --start 1024
+    python benchmarks/sequence.py --device cuda --sps 1 --budget-mib 40000 --start 8192 --max-length 262144
 
-Sequence parallelism is run through DeepSpeed's Hugging Face face (``UlyssesSPAttentionHF``, sdpa);
-the tiled runs replace every MLP's forward with ``TiledMLP`` and the logits and loss with
-``TiledFusedLogitsLoss`` (tiles: ceil(local length / hidden size), DeepSpeed's recipe).
+Variants (``--variants``): ``plain`` (the stock model), ``tiled`` (every MLP's forward through
+``TiledMLP``, the logits and loss through ``TiledFusedLogitsLoss``; tiles: ceil(local length /
+hidden size), DeepSpeed's recipe), ``tiled+ckpt`` (and the Trainer's kind of gradient
+checkpointing) and ``tiled+ckpt+offload`` (and ``activation_checkpointing.cpu_checkpointing``: the
+layers' inputs wait in host memory). On the CPU the activations already live in host memory, so
+the last two measure the same. Sequence parallelism is run through DeepSpeed's Hugging Face face
+(``UlyssesSPAttentionHF``, sdpa).
 """
 from __future__ import annotations
 
@@ -29,14 +35,20 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
 
-HIDDEN, LAYERS, HEADS, KV_HEADS, FFN, VOCAB = 256, 4, 8, 4, 1024, 8192
+#: (hidden, layers, heads, key/value heads, MLP width, vocabulary): a small Llama for the CPU, and
+#: Llama-3.2-1B's shapes for a GPU
+PRESETS = {"tiny": (256, 4, 8, 4, 1024, 8192), "1b": (2048, 16, 32, 8, 8192, 128256)}
+HIDDEN, LAYERS, HEADS, KV_HEADS, FFN, VOCAB = PRESETS[os.environ.get("SEQUENCE_BENCH_PRESET", "tiny")]
 
 
 def _status_mib(key: str) -> float:
     return _common.proc_status_mib(key)
 
 
-def worker(sp: int, tiled: bool, seq: int) -> None:
+VARIANTS = ("plain", "tiled", "tiled+ckpt", "tiled+ckpt+offload")
+
+
+def worker(sp: int, variant: str, seq: int) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -48,8 +60,12 @@ def worker(sp: int, tiled: bool, seq: int) -> None:
     from zerodp.parallel.sequence_hf import UlyssesSPAttentionHF
     from zerodp.parallel.tiled import TiledFusedLogitsLoss, TiledMLP
 
-    dist.init_process_group("gloo")
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    tiled, ckpt, offload = variant != "plain", "ckpt" in variant, "offload" in variant
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN,
                                          num_hidden_layers=LAYERS, num_attention_heads=HEADS,
@@ -62,17 +78,22 @@ def worker(sp: int, tiled: bool, seq: int) -> None:
             mlp = layer.mlp
             mlp.forward = (lambda x, mlp=mlp: TiledMLP.apply(lambda m, t: LlamaMLP.forward(m, t), mlp, x, shards,
                                                              list(mlp.parameters())))
+    if ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, 1) if sp > 1 else None
     config = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+              "activation_checkpointing": {"cpu_checkpointing": offload},
               "zero_optimization": {"stage": 3}}
     engine, _, _, _ = zerodp.initialize(model=model, config=config, mpu=mpu)
+    engine.train()
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (1, seq + 1), generator=g)
     me = rank % sp
     cut = slice(me * local, (me + 1) * local)
-    inputs, labels = ids[:, :-1][:, cut].contiguous(), ids[:, 1:][:, cut].contiguous()
-    positions = torch.arange(seq)[cut].unsqueeze(0)
+    dev = engine.device
+    inputs, labels = ids[:, :-1][:, cut].contiguous().to(dev), ids[:, 1:][:, cut].contiguous().to(dev)
+    positions = torch.arange(seq)[cut].unsqueeze(0).to(dev)
 
     def step() -> float:
         if tiled:
@@ -90,14 +111,23 @@ def worker(sp: int, tiled: bool, seq: int) -> None:
         engine.step()
         return loss.item()
 
-    base = _status_mib("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # the high-water mark starts again from now
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() / 2**20
+    else:
+        base = _status_mib("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the high-water mark starts again from now
     step()
+    if cuda:
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
     step()
+    if cuda:
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
-    peak = _status_mib("VmHWM") - base
+    peak = (torch.cuda.max_memory_allocated() / 2**20 if cuda else _status_mib("VmHWM")) - base
     rows = all_gather_numbers({"peak": peak, "seconds": seconds})
     if rank == 0:
         print(_common.RESULT_PREFIX + json.dumps({"peak_mib": max(r["peak"] for r in rows),
@@ -113,45 +143,56 @@ def main() -> None:
     ap.add_argument("--start", type=int, default=2048, help="the first length tried (default 2048)")
     ap.add_argument("--max-length", type=int, default=16384, help="the longest length tried (default 16384)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds before a run is killed (default 600)")
+    ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=None,
+                    help="what runs at each size (default: plain tiled tiled+ckpt+offload)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: one rank per GPU (NCCL), the allocator's peak (default cpu)")
+    ap.add_argument("--preset", choices=list(PRESETS), default="tiny",
+                    help="model shapes: tiny (4 layers, hidden 256) or 1b (Llama-3.2-1B's) (default tiny)")
     ap.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        sp, tiled, seq = args.worker
-        worker(int(sp), tiled == "1", int(seq))
+        sp, variant, seq = args.worker
+        worker(int(sp), variant, int(seq))
         return
+    variants = args.variants or ["plain", "tiled", "tiled+ckpt+offload"]
     rows = []
     t0 = time.perf_counter()
     for sp in args.sps:
-        for tiled in (False, True):
+        for variant in variants:
             best = None
             seq = args.start
             while seq <= args.max_length:
-                env = _common.worker_env(sp)
-                launch = _common.torchrun(__file__, sp, ["--worker", str(sp), "1" if tiled else "0", str(seq)], env,
+                env = _common.worker_env(sp, memory=args.device == "cpu", extra={"SEQUENCE_BENCH_PRESET": args.preset})
+                if args.device == "cpu":
+                    env["CUDA_VISIBLE_DEVICES"] = ""
+                launch = _common.torchrun(__file__, sp, ["--worker", str(sp), variant, str(seq)], env,
                                           timeout=args.timeout)
                 got = launch.result()
                 status = "ok" if got else _common.failure_reason(launch)
                 fits = got is not None and got["peak_mib"] <= args.budget_mib
-                print(f"sp {sp} {'tiled' if tiled else 'plain'} length {seq}: "
+                print(f"sp {sp} {variant} length {seq}: "
                       + (f"{got['peak_mib']:.0f} MiB, {got['seconds']:.2f} s" if got else status), flush=True)
                 if not fits:
                     break
                 best = (seq, got)
                 seq *= 2
-            rows.append((sp, tiled, best))
-    print(f"\n`python benchmarks/sequence.py --sps {' '.join(map(str, args.sps))} --budget-mib {args.budget_mib:g} "
-          f"--start {args.start}` ({(time.perf_counter() - t0) / 60:.1f} min)\n")
-    print(f"Llama {LAYERS} layers, hidden {HIDDEN}, {HEADS} heads ({KV_HEADS} key/value), vocabulary {VOCAB}; "
+            rows.append((sp, variant, best))
+    print(f"\n`python benchmarks/sequence.py --preset {args.preset} --device {args.device} --sps {' '.join(map(str, args.sps))} --budget-mib "
+          f"{args.budget_mib:g} --start {args.start} --variants {' '.join(variants)}` "
+          f"({(time.perf_counter() - t0) / 60:.1f} min)\n")
+    hidden, layers, heads, kv_heads, _, vocab = PRESETS[args.preset]
+    print(f"Llama {layers} layers, hidden {hidden}, {heads} heads ({kv_heads} key/value), vocabulary {vocab}; "
           f"ZeRO stage 3, fp32, one sequence per step; budget {args.budget_mib:g} MiB added per rank\n")
-    print("| sequence-parallel ranks | tiled MLP and loss | longest length within budget | peak added per rank (MiB) "
+    print("| sequence-parallel ranks | variant | longest length within budget | peak added per rank (MiB) "
           "| step (s) |")
     print("|---|---|---|---|---|")
-    for sp, tiled, best in rows:
+    for sp, variant, best in rows:
         if best is None:
-            print(f"| {sp} | {'yes' if tiled else 'no'} | under {args.start} | - | - |")
+            print(f"| {sp} | {variant} | under {args.start} | - | - |")
         else:
             seq, got = best
-            print(f"| {sp} | {'yes' if tiled else 'no'} | {seq} | {got['peak_mib']:.0f} | {got['seconds']:.2f} |")
+            print(f"| {sp} | {variant} | {seq} | {got['peak_mib']:.0f} | {got['seconds']:.2f} |")
 
 
 if __name__ == "__main__":
