@@ -134,12 +134,15 @@ def adopt_replaced_params(module: nn.Module, flat_groups: list[FlatGroup]) -> No
         params[:] = [new.get(id(p), p) for p in params]
 
 
-def broadcast_initial_state(comm: Comm, module: nn.Module, flat_groups: list[FlatGroup]) -> None:
+def broadcast_initial_state(comm: Comm, module: nn.Module, flat_groups: list[FlatGroup],
+                            axes: Optional[ShardAxes] = None) -> None:
     """Start every rank from rank 0's parameters and buffers (parameters built on the
-    meta device are initialized identically on every rank instead)."""
+    meta device are initialized identically on every rank instead): over ``comm`` (the data-parallel
+    ranks), a group on another shard axis over that axis (``axes``: expert parameters from the first
+    rank holding the same experts)."""
     for g in flat_groups:
         if not g.replaced:
-            comm.broadcast(g.full)
+            (comm if axes is None or g.axis == DATA else axes.of(g)).broadcast(g.full)
     for b in module.buffers():
         comm.broadcast(b)
 

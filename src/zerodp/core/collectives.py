@@ -60,6 +60,7 @@ over ``N`` ranks:
 from __future__ import annotations
 
 import copy
+import math
 import os
 import threading
 from collections import defaultdict
@@ -490,6 +491,26 @@ class Comm:
         work = dist.all_to_all_single(received, send, group=self.group, async_op=True)
         self._finish(self._handle([work], None, f"all_to_all of {what}" if what else "all_to_all"), False)
         return torch.cat([r.view(parts[0].shape) for r in received.chunk(n)], dim=gather_dim)
+
+    def all_to_all_rows(self, x: torch.Tensor, send_rows: list[int], recv_rows: list[int],
+                        what: str = "") -> torch.Tensor:
+        """Send ``send_rows[i]`` consecutive rows of ``x`` (its first dimension, in order) to rank ``i``
+        and receive ``recv_rows[i]`` rows from rank ``i``, joined in rank order (expert parallelism:
+        tokens to the ranks of their experts and back). Counted as ``all_to_all``: the rows sent to
+        the other ranks."""
+        if self.world_size == 1:
+            return x
+        if sum(send_rows) != x.shape[0]:
+            raise ValueError(f"all_to_all_rows{' of ' + what if what else ''}: {sum(send_rows)} rows to send, "
+                             f"{x.shape[0]} given")
+        x = x.contiguous()
+        out = x.new_empty((sum(recv_rows), *x.shape[1:]))
+        row = math.prod(x.shape[1:]) * x.element_size()
+        self.counter.add("all_to_all", row * (sum(send_rows) - send_rows[self.rank]), self.label)
+        work = dist.all_to_all_single(out, x, output_split_sizes=list(recv_rows), input_split_sizes=list(send_rows),
+                                      group=self.group, async_op=True)
+        self._finish(self._handle([work], None, f"all_to_all of {what}" if what else "all_to_all"), False)
+        return out
 
     def all_gather_objects(self, obj: Any) -> list[Any]:
         """Every rank's picklable ``obj``, in rank order (checkpoint indexes, not counted)."""

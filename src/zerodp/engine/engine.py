@@ -199,7 +199,7 @@ class ZeroEngine(EngineAPI, CheckpointAPI, nn.Module):
             counted_elsewhere=frozenset(id(p) for p in counted_elsewhere))  # norm and checkpoint: another rank's
         adopt_replaced_params(self.base_module, self.flat_groups)
         self.trainable = [g for g in self.flat_groups if g.trainable]
-        broadcast_initial_state(self.data_comm, self.base_module, self.flat_groups)
+        broadcast_initial_state(self.data_comm, self.base_module, self.flat_groups, self.shard_axes)
         self.sharded: Optional[ShardedParams] = None  # stage 3: the units, their gathers and hooks
         self.param_offload: Optional[ParamOffload] = None
         if self.policy.shard_parameters:
@@ -493,7 +493,7 @@ class ZeroEngine(EngineAPI, CheckpointAPI, nn.Module):
         for g in self.trainable:  # hpZ: the secondary copies of what changed are stale
             g.drop_secondary()
         if self.policy.gather_after_step:
-            handles = [self.comm.all_gather(g.full, async_op=True) for g in self.trainable]
+            handles = [self.shard_axes.of(g).all_gather(g.full, async_op=True) for g in self.trainable]
             for h in handles:
                 h.wait()
         if self.lr_scheduler is not None:

@@ -27,6 +27,7 @@ from ..core.collectives import Comm, CommCounter
 from ..core.flat import is_dtensor
 from .adapters import base_model, expand_adapters
 from .base import Parallelism
+from .expert import ExpertParallel, ExpertParallelError, expert_parallel_layers
 from .grid import Grid, GridError, build_grid, grid_from_mesh, grid_from_mpu, with_secondary
 from .plans import check_heads, localize, plan_for, with_loss_parallel, with_sequence_parallel
 from .sequence import SequenceParallel, initialize_sequence_parallel
@@ -156,12 +157,26 @@ def tp_model_init(model: nn.Module, tp_size: int, dtype: Optional[torch.dtype] =
 def parallelisms_for(grid: Grid, model: nn.Module, counter: CommCounter) -> list[Parallelism]:
     """The parallelisms an engine over ``grid`` runs ``model`` with, in the order their inputs and
     regions apply: tensor parallelism where the grid's tensor axis has more than one rank, Ulysses
-    sequence parallelism where its sequence axis has."""
+    sequence parallelism where its sequence axis has, expert parallelism where the model has layers
+    whose experts are split (``expert.py``)."""
     out: list[Parallelism] = []
     if grid.tp_size > 1:
         out.append(TensorParallel(grid, model, counter))
     if grid.sequence.size > 1:
         out.append(SequenceParallel(grid, counter))
+    layers = expert_parallel_layers(model)
+    if layers:
+        others = [n for n, on in (("tensor parallelism", grid.tp_size > 1),
+                                  ("pipeline parallelism", grid.pipe.size > 1),
+                                  ("sequence parallelism", grid.sequence.size > 1),
+                                  ("hybrid sharding (MiCS)", grid.replica.size > 1),
+                                  ("hpZ", grid.secondary is not None and grid.secondary.size > 1),
+                                  ("a data-parallel group narrower than the world", grid.data.size != grid.world_size))
+                  if on]
+        if others:
+            raise ExpertParallelError(f"expert parallelism with {others[0]} is not supported yet; use it beside "
+                                      "data parallelism alone")
+        out.append(ExpertParallel(layers, counter))
     return out
 
 

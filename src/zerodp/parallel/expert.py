@@ -1,0 +1,196 @@
+"""Expert parallelism: each rank of an expert-parallel group owns ``E / ep`` of a mixture-of-experts
+layer's experts whole; tokens travel to their experts' ranks by all-to-all and come back.
+
+Groups. ``initialize_expert_parallel(ep)`` cuts the world into expert-parallel groups of ``ep``
+consecutive ranks (they exchange tokens) and, across them, expert-data groups: the ranks with the
+same place in their expert group, which hold the same experts (``world / ep`` of them). DeepSpeed
+lays its groups out the same way.
+
+ZeRO. An expert's parameters live on one rank of every expert group, so ZeRO shards and reduces
+them over the expert-data group (the shard axis ``EXPERT_DATA``, ``core/axes.py``; named for those
+parameters by :class:`ExpertParallel`, the engine's handle, ``Parallelism.shard_axis_of``), while the
+dense parameters (the router, attention, embeddings) shard over every data-parallel rank as before.
+The gradients are divided by the data-parallel world for both: an expert's gradient on its rank
+already holds the contributions of every token its group sent it, and the sum over the expert-data
+group adds those of the other groups, which is the sum over all ranks' losses.
+
+Routing (:class:`ExpertParallelMoE`): the router's top-``k`` experts of every token, without a
+capacity limit and without dropped tokens, so the layer equals the same layer on one process. The
+token counts per expert are exchanged first, then the tokens (``Comm.all_to_all_rows``, uneven), then
+the outputs travel back. Every local expert runs once per forward, also on no token, so that at ZeRO
+stage 3 every rank of an expert-data group gathers the same experts in the same order, and a rank
+whose experts got no token still takes part in every collective (its experts' gradients are zeros).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..core import teardown
+from ..core.collectives import Comm, CommCounter
+from .base import Parallelism
+from .grid import Axis, new_axis
+
+EXPERT_DATA = "expert_data"
+"""The shard axis of expert parameters: the ranks that hold the same experts."""
+
+
+class ExpertParallelError(ValueError):
+    """An expert-parallel layout or layer that cannot be made as asked."""
+
+
+@dataclass
+class ExpertAxes:
+    """This rank's expert-parallel group (``expert``: ranks that exchange tokens) and expert-data
+    group (``expert_data``: ranks that hold the same experts)."""
+
+    size: int
+    expert: Axis
+    expert_data: Axis
+
+
+_AXES: dict[int, ExpertAxes] = {}  # by expert-parallel size, made once per process
+teardown.on_exit_release(_AXES.clear)
+
+
+def initialize_expert_parallel(ep_size: int) -> ExpertAxes:
+    """Make the expert-parallel groups of the world (blocks of ``ep_size`` consecutive ranks) and the
+    expert-data groups across them (every rank must call it, in the same order); the same axes again
+    for the same size."""
+    import torch.distributed as dist
+    ep = int(ep_size)
+    if ep in _AXES:
+        return _AXES[ep]
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ExpertParallelError("expert parallelism needs torch.distributed initialized first")
+    world, me = dist.get_world_size(), dist.get_rank()
+    if ep < 1 or world % ep:
+        raise ExpertParallelError(f"expert-parallel size {ep} does not divide the world size {world}")
+    expert = new_axis("expert", [list(range(i, i + ep)) for i in range(0, world, ep)], me)
+    expert_data = new_axis(EXPERT_DATA, [list(range(j, world, ep)) for j in range(ep)], me)
+    _AXES[ep] = ExpertAxes(ep, expert, expert_data)
+    return _AXES[ep]
+
+
+def forget_expert_axes() -> None:
+    """Forget the expert axes (the process group is being destroyed)."""
+    _AXES.clear()
+
+
+class _AllToAllRows(torch.autograd.Function):
+    """``Comm.all_to_all_rows`` with its backward: the same exchange the other way."""
+
+    @staticmethod
+    def forward(ctx, comm: Comm, x: torch.Tensor, send: list[int], recv: list[int], what: str):
+        ctx.comm, ctx.send, ctx.recv, ctx.what = comm, send, recv, what
+        return comm.all_to_all_rows(x, send, recv, what=what)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, ctx.comm.all_to_all_rows(grad, ctx.recv, ctx.send, what=ctx.what + " (backward)"), None, None, None
+
+
+class ExpertParallelMoE(nn.Module):
+    """A mixture-of-experts layer with its experts split over an expert-parallel group.
+
+    ``router``: hidden -> ``E`` logits; ``experts``: all ``E`` experts (hidden -> hidden), of which
+    this rank keeps its ``E / ep_size`` (``self.experts``, keyed by their global index, so parameter
+    names stay those of the whole layer); each token goes to its ``top_k`` experts by the router's
+    softmax, weighted by those probabilities (renormalized over the ``top_k`` when ``normalize``).
+    Input ``[..., hidden]``, output the same shape."""
+
+    def __init__(self, router: nn.Module, experts: Sequence[nn.Module], top_k: int, ep_size: int = 1,
+                 normalize: bool = True) -> None:
+        super().__init__()
+        n = len(experts)
+        if ep_size < 1 or n % ep_size:
+            raise ExpertParallelError(f"expert-parallel size {ep_size} does not divide the {n} experts")
+        if not 1 <= top_k <= n:
+            raise ExpertParallelError(f"top_k {top_k} is not between 1 and the {n} experts")
+        self.axes: Optional[ExpertAxes] = initialize_expert_parallel(ep_size) if ep_size > 1 else None
+        self.num_experts, self.top_k, self.ep_size, self.normalize = n, top_k, ep_size, normalize
+        self.per_rank = n // ep_size
+        first = (self.axes.expert.rank if self.axes else 0) * self.per_rank
+        self.local = list(range(first, first + self.per_rank))
+        self.router = router
+        self.experts = nn.ModuleDict({str(e): experts[e] for e in self.local})
+        for p in self.experts.parameters():  # DeepSpeed's marks (deepspeed.moe.utils.is_moe_param)
+            p.allreduce = False
+            p.group_name = f"ep_size_{ep_size}"
+        self.comm = self.axes.expert.comm(label="expert") if self.axes else Comm.alone("expert")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        probs = F.softmax(self.router(x).float(), dim=-1)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        flat = chosen.reshape(-1)  # token t's j-th expert at t * k + j
+        order = flat.argsort(stable=True)  # assignments grouped by expert
+        tokens = x[order // self.top_k]
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        if self.axes is not None:
+            every = self.comm.all_gather_ints(counts, what="expert token counts")  # [source rank][expert]
+            per, me = self.per_rank, self.axes.expert.rank
+            send = [sum(counts[r * per:(r + 1) * per]) for r in range(self.ep_size)]
+            mine = [src[me * per:(me + 1) * per] for src in every]  # per source, per local expert
+            recv = [sum(c) for c in mine]
+            tokens = _AllToAllRows.apply(self.comm, tokens, send, recv, "tokens to their experts")
+        else:
+            mine = [counts]
+        out = self._run_experts(tokens, mine)
+        if self.axes is not None:
+            out = _AllToAllRows.apply(self.comm, out, recv, send, "expert outputs")
+        out = out[order.argsort()].view(-1, self.top_k, shape[-1])
+        return (out * weights.unsqueeze(-1).to(out.dtype)).sum(dim=1).view(shape)
+
+    def _run_experts(self, tokens: torch.Tensor, counts: list[list[int]]) -> torch.Tensor:
+        """Each local expert once, on its rows of ``tokens`` (laid out per source rank, then per
+        local expert, with ``counts[source][expert]`` rows each); the outputs in the same layout."""
+        rows: list[list[int]] = [[] for _ in self.local]
+        at = 0
+        for source in counts:
+            for i, c in enumerate(source):
+                rows[i].extend(range(at, at + c))
+                at += c
+        outs, where = [], []
+        for i, e in enumerate(self.local):
+            index = torch.tensor(rows[i], dtype=torch.long, device=tokens.device)
+            outs.append(self.experts[str(e)](tokens.index_select(0, index)))  # also on no token
+            where.append(index)
+        return torch.cat(outs)[torch.cat(where).argsort()]
+
+
+def expert_parallel_layers(model: nn.Module) -> list[ExpertParallelMoE]:
+    """The layers of ``model`` whose experts are split over more than one rank."""
+    return [m for m in model.modules() if isinstance(m, ExpertParallelMoE) and m.ep_size > 1]
+
+
+class ExpertParallel(Parallelism):
+    """The engine's handle on expert parallelism: the expert-data axis its layers' expert parameters
+    shard and reduce over (one expert-parallel size per model)."""
+
+    name = "expert"
+
+    def __init__(self, layers: list[ExpertParallelMoE], counter: CommCounter) -> None:
+        sizes = sorted({m.ep_size for m in layers})
+        if len(sizes) > 1:
+            raise ExpertParallelError(f"the model's layers use expert-parallel sizes {sizes}; zerodp supports one "
+                                      "per model")
+        if "all_to_all" not in counter.kinds:
+            counter.kinds = (*counter.kinds, "all_to_all")
+        self.axes = layers[0].axes
+        self.comm = self.axes.expert_data.comm(counter, EXPERT_DATA)
+        for m in layers:  # the token exchanges count with the engine's bytes
+            m.comm = self.axes.expert.comm(counter, "expert")
+
+    def shard_axes(self) -> dict[str, Comm]:
+        return {EXPERT_DATA: self.comm}
+
+    def shard_axis_of(self, model: nn.Module) -> dict[int, str]:
+        return {id(p): EXPERT_DATA for m in expert_parallel_layers(model) for p in m.experts.parameters()}

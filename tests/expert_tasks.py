@@ -1,0 +1,100 @@
+"""Worker tasks for ``test_expert.py``: a small mixture-of-experts model with its experts split over
+expert-parallel groups (``parallel/expert.py``), trained through the engine at ZeRO stages 0-3 on 4
+ranks, against the same model with every expert on one process."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import zerodp
+from zerodp.parallel.expert import ExpertParallelMoE
+
+EXPERTS, HIDDEN, VOCAB, TOP_K, BATCH, SEQ = 4, 8, 32, 2, 2, 3
+
+
+class ToyMoE(nn.Module):
+    """Embedding, one mixture-of-experts layer (top-2 of 4, the last expert's router logit pushed
+    down so that it is never chosen and others are often idle on a rank), output layer."""
+
+    def __init__(self, ep: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(VOCAB, HIDDEN)
+        router = nn.Linear(HIDDEN, EXPERTS)
+        with torch.no_grad():
+            router.bias[-1] = -20.0
+        experts = [nn.Sequential(nn.Linear(HIDDEN, 16), nn.GELU(), nn.Linear(16, HIDDEN)) for _ in range(EXPERTS)]
+        self.moe = ExpertParallelMoE(router, experts, TOP_K, ep)
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        x = x + self.moe(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+def _batches(steps: int, world: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    g = torch.Generator().manual_seed(7)
+    return [[(torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
+             for _ in range(world)] for _ in range(steps)]
+
+
+def train_expert_parallel(group, stage: int, ep: int, steps: int = 3) -> dict:
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    model = ToyMoE(ep)
+    cfg = {"train_micro_batch_size_per_gpu": BATCH, "steps_per_print": 10**9, "gradient_clipping": 1.0,
+           "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
+           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 1}}
+    engine, _, _, _ = zerodp.initialize(model=model, config=cfg, process_group=group)
+    ref = ToyMoE(1)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    losses, norms, ref_losses, ref_norms = [], [], [], []
+    for batch in _batches(steps, world):
+        loss = engine(*batch[rank])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        norms.append(engine.get_global_grad_norm())
+        per_rank = [ref(*b) for b in batch]
+        opt.zero_grad()
+        torch.stack(per_rank).mean().backward()
+        ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0).item())
+        opt.step()
+        ref_losses.append(per_rank[rank].item())
+    params = list(engine.module.parameters())
+    with zerodp.zero.GatheredParameters(params):
+        mine = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    want = dict(ref.named_parameters())
+    counts = engine.comm_stats(by_group=True)
+    refused = []
+    for verb in (lambda: engine.save_checkpoint("/nonexistent"), lambda: engine.save_16bit_model("/nonexistent")):
+        try:
+            verb()
+        except NotImplementedError as e:
+            refused.append(str(e))
+    engine.destroy()
+    return {"losses": losses, "ref_losses": ref_losses, "norms": norms, "ref_norms": ref_norms,
+            "params": mine, "ref_params": {n: want[n].detach().clone() for n in mine},
+            "local": engine.module.moe.local, "groups": sorted(counts), "refused": refused}
+
+
+def refusals(group) -> dict:
+    from zerodp.parallel.expert import ExpertParallelError
+
+    def experts(n):
+        return [nn.Linear(HIDDEN, HIDDEN) for _ in range(n)]
+    out = {}
+    for key, make in (("experts", lambda: ExpertParallelMoE(nn.Linear(HIDDEN, 4), experts(4), 2, 3)),
+                      ("world", lambda: ExpertParallelMoE(nn.Linear(HIDDEN, 3), experts(3), 2, 3)),
+                      ("top_k", lambda: ExpertParallelMoE(nn.Linear(HIDDEN, 4), experts(4), 5, 2)),
+                      ("with_hybrid", lambda: zerodp.initialize(model=ToyMoE(2), process_group=group, config={
+                          "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, "mics_shard_size": 2},
+                          "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}))):
+        try:
+            make()
+            out[key] = "accepted"
+        except (ExpertParallelError, ValueError) as e:
+            out[key] = str(e)
+    return out

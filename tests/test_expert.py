@@ -1,0 +1,39 @@
+"""Expert parallelism (``parallel/expert.py``): experts split over expert-parallel groups of 2 and 4
+ranks, ZeRO stages 0-3, the same losses, gradient norms and parameters as one process holding every
+expert; the last expert is never routed to and others sit idle on some ranks."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("ep", [2, 4])
+def test_expert_parallel_trains_as_one_process(pool, stage, ep):
+    from expert_tasks import EXPERTS, train_expert_parallel
+    results = pool.run(train_expert_parallel, 4, stage, ep)
+    for r in results:
+        for got, want in zip(r["losses"], r["ref_losses"]):
+            assert abs(got - want) <= 1e-5 * abs(want), (r["losses"], r["ref_losses"])
+        for got, want in zip(r["norms"], r["ref_norms"]):  # over dense and expert gradients alike
+            assert abs(got - want) <= 1e-5 * abs(want), (r["norms"], r["ref_norms"])
+        for name, want in r["ref_params"].items():
+            torch.testing.assert_close(r["params"][name], want, rtol=1e-5, atol=1e-6, msg=name)
+        assert len(r["local"]) == EXPERTS // ep  # each rank holds its share of the experts, whole
+        assert sum(n.startswith("moe.experts.") for n in r["params"]) == 4 * EXPERTS // ep
+    assert sorted(e for r in results[:ep] for e in r["local"]) == list(range(EXPERTS))
+    # the token exchanges count with the engine's bytes, on their own group; with 2 groups of
+    # experts, their parameters reduce over the expert-data ranks
+    assert "expert" in results[0]["groups"] and ("expert_data" in results[0]["groups"]) == (ep < 4), \
+        results[0]["groups"]
+    # checkpoints of expert parameters are refused by name, not half-written
+    assert len(results[0]["refused"]) == 2 and all("expert_data axis" in m for m in results[0]["refused"])
+
+
+def test_expert_parallel_refusals(pool):
+    from expert_tasks import refusals
+    r = pool.run(refusals, 4)[0]
+    assert "expert-parallel size 3 does not divide the 4 experts" in r["experts"]
+    assert "does not divide the world size 4" in r["world"]
+    assert "top_k 5 is not between 1 and the 4 experts" in r["top_k"]
+    assert "expert parallelism with hybrid sharding (MiCS) is not supported" in r["with_hybrid"]
