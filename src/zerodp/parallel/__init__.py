@@ -27,7 +27,7 @@ from ..core.collectives import Comm, CommCounter
 from ..core.flat import is_dtensor
 from .adapters import base_model, expand_adapters
 from .base import Parallelism
-from .expert import ExpertParallel, ExpertParallelError, expert_parallel_layers
+from .expert import ExpertParallel, ExpertParallelError, expert_parallel_params
 from .grid import Grid, GridError, build_grid, grid_from_mesh, grid_from_mpu, with_secondary
 from .plans import check_heads, localize, plan_for, with_loss_parallel, with_sequence_parallel
 from .sequence import SequenceParallel, initialize_sequence_parallel
@@ -164,8 +164,7 @@ def parallelisms_for(grid: Grid, model: nn.Module, counter: CommCounter) -> list
         out.append(TensorParallel(grid, model, counter))
     if grid.sequence.size > 1:
         out.append(SequenceParallel(grid, counter))
-    layers = expert_parallel_layers(model)
-    if layers:
+    if expert_parallel_params(model):
         others = [n for n, on in (("tensor parallelism", grid.tp_size > 1),
                                   ("pipeline parallelism", grid.pipe.size > 1),
                                   ("sequence parallelism", grid.sequence.size > 1),
@@ -176,7 +175,7 @@ def parallelisms_for(grid: Grid, model: nn.Module, counter: CommCounter) -> list
         if others:
             raise ExpertParallelError(f"expert parallelism with {others[0]} is not supported yet; use it beside "
                                       "data parallelism alone")
-        out.append(ExpertParallel(layers, counter))
+        out.append(ExpertParallel(model, counter))
     return out
 
 

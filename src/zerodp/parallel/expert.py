@@ -118,10 +118,10 @@ class ExpertParallelMoE(nn.Module):
         self.local = list(range(first, first + self.per_rank))
         self.router = router
         self.experts = nn.ModuleDict({str(e): experts[e] for e in self.local})
-        for p in self.experts.parameters():  # DeepSpeed's marks (deepspeed.moe.utils.is_moe_param)
-            p.allreduce = False
-            p.group_name = f"ep_size_{ep_size}"
+        mark_expert_params(self.experts.parameters(), self.axes, ep_size)
         self.comm = self.axes.expert.comm(label="expert") if self.axes else Comm.alone("expert")
+        if self.axes is not None:
+            setattr(self, _COMM_ATTR, True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -166,9 +166,28 @@ class ExpertParallelMoE(nn.Module):
         return torch.cat(outs)[torch.cat(where).argsort()]
 
 
-def expert_parallel_layers(model: nn.Module) -> list[ExpertParallelMoE]:
-    """The layers of ``model`` whose experts are split over more than one rank."""
-    return [m for m in model.modules() if isinstance(m, ExpertParallelMoE) and m.ep_size > 1]
+_AXES_ATTR = "_zerodp_expert_axes"
+_COMM_ATTR = "_zerodp_expert_comm"  # on a module that exchanges tokens: its Comm, counted by the engine
+
+
+def mark_expert_params(params, axes: Optional[ExpertAxes], ep_size: int) -> None:
+    """Mark expert parameters: DeepSpeed's marks (``deepspeed.moe.utils.is_moe_param``) and, split
+    over more than one rank, the axes they shard over."""
+    for p in params:
+        p.allreduce = False
+        p.group_name = f"ep_size_{ep_size}"
+        if axes is not None:
+            setattr(p, _AXES_ATTR, axes)
+
+
+def expert_parallel_params(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters of ``model`` held by one rank of an expert-parallel group (not everywhere)."""
+    return [p for p in model.parameters() if getattr(p, _AXES_ATTR, None) is not None]
+
+
+def expert_parallel_layers(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` that exchange tokens over an expert-parallel group."""
+    return [m for m in model.modules() if getattr(m, _COMM_ATTR, None) is not None]
 
 
 class ExpertParallel(Parallelism):
@@ -177,20 +196,20 @@ class ExpertParallel(Parallelism):
 
     name = "expert"
 
-    def __init__(self, layers: list[ExpertParallelMoE], counter: CommCounter) -> None:
-        sizes = sorted({m.ep_size for m in layers})
-        if len(sizes) > 1:
-            raise ExpertParallelError(f"the model's layers use expert-parallel sizes {sizes}; zerodp supports one "
+    def __init__(self, model: nn.Module, counter: CommCounter) -> None:
+        sizes = sorted({getattr(p, _AXES_ATTR).size for p in expert_parallel_params(model)})
+        if len(sizes) != 1:
+            raise ExpertParallelError(f"the model's experts use expert-parallel sizes {sizes}; zerodp supports one "
                                       "per model")
         if "all_to_all" not in counter.kinds:
             counter.kinds = (*counter.kinds, "all_to_all")
-        self.axes = layers[0].axes
+        self.axes = _AXES[sizes[0]]
         self.comm = self.axes.expert_data.comm(counter, EXPERT_DATA)
-        for m in layers:  # the token exchanges count with the engine's bytes
+        for m in expert_parallel_layers(model):  # the token exchanges count with the engine's bytes
             m.comm = self.axes.expert.comm(counter, "expert")
 
     def shard_axes(self) -> dict[str, Comm]:
         return {EXPERT_DATA: self.comm}
 
     def shard_axis_of(self, model: nn.Module) -> dict[int, str]:
-        return {id(p): EXPERT_DATA for m in expert_parallel_layers(model) for p in m.experts.parameters()}
+        return {id(p): EXPERT_DATA for p in expert_parallel_params(model)}

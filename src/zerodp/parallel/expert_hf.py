@@ -1,0 +1,99 @@
+"""Expert parallelism for Hugging Face mixture-of-experts models (transformers 5's fused experts).
+
+transformers 5 keeps a layer's experts as one module whose parameters are 3-D, one slice per expert
+(``Qwen3MoeExperts``, ``MixtralExperts``, ...: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``),
+called by the layer's own router as ``experts(hidden_states, top_k_index, top_k_weights)``.
+:func:`expert_parallelize` splits each such module over an expert-parallel group in place: a rank
+keeps its ``E / ep`` slices under the same parameter names, and the module's forward sends each
+token's rows to the ranks of its experts, runs the module's own computation there on its local
+experts (each row weighted 1) and combines the outputs it gets back with the router's weights. The
+router is the model's own, so routing is exactly the model's: no capacity, no dropped tokens.
+The exchanges are ``expert.py``'s; so is what ZeRO does with the expert parameters.
+"""
+from __future__ import annotations
+
+import types
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .expert import (
+    _COMM_ATTR,
+    ExpertParallelError,
+    _AllToAllRows,
+    initialize_expert_parallel,
+    mark_expert_params,
+)
+
+
+def fused_experts_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` that hold all of a layer's experts as 3-D parameters: a
+    ``num_experts`` attribute and every direct parameter with that many slices along dimension 0."""
+    found = []
+    for m in model.modules():
+        n = getattr(m, "num_experts", None)
+        params = list(m.parameters(recurse=False))
+        if isinstance(n, int) and n > 1 and params and all(p.dim() == 3 and p.shape[0] == n for p in params):
+            found.append(m)
+    return found
+
+
+def expert_parallelize(model: nn.Module, ep_size: int) -> list[nn.Module]:
+    """Split every fused-experts module of ``model`` over expert-parallel groups of ``ep_size``
+    consecutive ranks (see the module docstring), before ``initialize``; returns the modules split."""
+    modules = fused_experts_modules(model)
+    if not modules:
+        raise ExpertParallelError(f"expert parallelism: {type(model).__name__} has no fused-experts module (a "
+                                  "module with num_experts and 3-D parameters of that many slices, as transformers "
+                                  "5's MoE models have)")
+    if ep_size == 1:
+        return []
+    axes = initialize_expert_parallel(ep_size)
+    for m in modules:
+        n = m.num_experts
+        if n % ep_size:
+            raise ExpertParallelError(f"expert-parallel size {ep_size} does not divide the {n} experts of "
+                                      f"{type(m).__name__}")
+        per = n // ep_size
+        lo = axes.expert.rank * per
+        for name, p in list(m.named_parameters(recurse=False)):
+            local = nn.Parameter(p.detach()[lo:lo + per].clone(), requires_grad=p.requires_grad)
+            setattr(m, name, local)
+        mark_expert_params(m.parameters(recurse=False), axes, ep_size)
+        m.num_experts, m.ep_size, m.ep_rank, m.global_num_experts = per, ep_size, axes.expert.rank, n
+        m.comm = axes.expert.comm(label="expert")
+        setattr(m, _COMM_ATTR, True)
+        m.forward = types.MethodType(_forward, m)
+    return modules
+
+
+def _forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+             top_k_weights: torch.Tensor) -> torch.Tensor:
+    """An expert-parallel fused-experts module's forward (see the module docstring)."""
+    k, per, ep, me = top_k_index.shape[-1], self.num_experts, self.ep_size, self.ep_rank
+    flat = top_k_index.reshape(-1)
+    order = flat.argsort(stable=True)  # the rows grouped by expert
+    rows = hidden_states[order // k]
+    counts = torch.bincount(flat, minlength=self.global_num_experts).tolist()
+    every = self.comm.all_gather_ints(counts, what="expert token counts")  # [source rank][expert]
+    send = [sum(counts[r * per:(r + 1) * per]) for r in range(ep)]
+    mine = [src[me * per:(me + 1) * per] for src in every]
+    recv = [sum(c) for c in mine]
+    tokens = _AllToAllRows.apply(self.comm, rows, send, recv, "tokens to their experts")
+    local = torch.cat([torch.full((c,), i, dtype=torch.long) for src in mine for i, c in enumerate(src)]
+                      or [torch.zeros(0, dtype=torch.long)]).to(tokens.device)
+    out = type(self).forward(self, tokens, local.unsqueeze(-1),
+                             torch.ones(local.shape[0], 1, dtype=tokens.dtype, device=tokens.device))
+    if tokens.requires_grad and not out.requires_grad:  # no token here: still in the backward exchange
+        out = out + tokens.sum() * 0
+    back = _AllToAllRows.apply(self.comm, out, recv, send, "expert outputs")
+    back = back[order.argsort()].view(-1, k, hidden_states.shape[-1])
+    return (back * top_k_weights.unsqueeze(-1).to(back.dtype)).sum(dim=1)
+
+
+def local_expert_range(module: nn.Module) -> Optional[range]:
+    """The global experts a split fused-experts module holds on this rank (None: not split)."""
+    if getattr(module, _COMM_ATTR, None) is None or not hasattr(module, "ep_rank"):
+        return None
+    return range(module.ep_rank * module.num_experts, (module.ep_rank + 1) * module.num_experts)
