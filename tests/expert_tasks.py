@@ -100,27 +100,32 @@ def refusals(group) -> dict:
     return out
 
 
-def _qwen3_moe():
+def _qwen3_moe(experts: int = 4):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
     torch.manual_seed(0)
     cfg = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
-                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, num_experts=4,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, num_experts=experts,
                          num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=32,
                          attn_implementation="sdpa")
     return Qwen3MoeForCausalLM(cfg)
 
 
-def train_hf_expert_parallel(group, stage: int, ep: int, steps: int = 3) -> dict:
-    """transformers' Qwen3-MoE with its fused experts split by ``expert_parallelize``, against the
+def train_hf_expert_parallel(group, stage: int, ep: int, road: str = "api", steps: int = 3) -> dict:
+    """transformers' Qwen3-MoE with its fused experts split by ``expert_parallelize`` (``road`` "api")
+    or by the config's ``expert_parallel`` block ("config", DeepSpeed's AutoEP keys), against the
     same model on one process."""
     from zerodp.parallel.expert_hf import expert_parallelize, local_expert_range
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     model = _qwen3_moe()
-    split = expert_parallelize(model, ep)
     cfg = {"train_micro_batch_size_per_gpu": BATCH, "steps_per_print": 10**9, "gradient_clipping": 1.0,
            "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 1}}
+    if road == "api":
+        expert_parallelize(model, ep)
+    else:
+        cfg["expert_parallel"] = {"enabled": True, "autoep_size": ep, "preset_model": "qwen3_moe", "top_k": 2}
     engine, _, _, _ = zerodp.initialize(model=model, config=cfg, process_group=group)
+    split = [r for m in engine.module.modules() if (r := local_expert_range(m)) is not None]
     ref = _qwen3_moe()
     opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     losses, norms, ref_losses, ref_norms = [], [], [], []
@@ -139,10 +144,25 @@ def train_hf_expert_parallel(group, stage: int, ep: int, steps: int = 3) -> dict
         ref_losses.append(per_rank[rank].item())
     with zerodp.zero.GatheredParameters(list(engine.module.parameters())):
         mine = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-    experts = local_expert_range(split[0]) if split else range(4)
+    experts = split[0] if split else range(4)
     want = {}
     for n, p in ref.named_parameters():
         want[n] = p.detach()[experts.start:experts.stop].clone() if ".mlp.experts." in n else p.detach().clone()
     engine.destroy()
     return {"losses": losses, "ref_losses": ref_losses, "norms": norms, "ref_norms": ref_norms,
             "params": mine, "ref_params": want, "experts": list(experts)}
+
+
+def autoep_refusals(group) -> dict:
+    out = {}
+    base = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    for key, experts, ep in (("preset", 4, {"enabled": True, "autoep_size": 2, "preset_model": "mixtral"}),
+                             ("top_k", 4, {"enabled": True, "autoep_size": 2, "top_k": 3}),
+                             ("world", 4, {"enabled": True, "autoep_size": 3}),
+                             ("experts", 6, {"enabled": True, "autoep_size": 4})):
+        try:
+            zerodp.initialize(model=_qwen3_moe(experts), config={**base, "expert_parallel": ep}, process_group=group)
+            out[key] = "accepted"
+        except ValueError as e:
+            out[key] = str(e)
+    return out

@@ -39,18 +39,29 @@ def test_expert_parallel_refusals(pool):
     assert "expert parallelism with hybrid sharding (MiCS) is not supported" in r["with_hybrid"]
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-@pytest.mark.parametrize("ep", [2, 4])
-def test_transformers_fused_experts_split_train_as_one_process(pool, stage, ep):
-    """transformers' Qwen3-MoE (fused 3-D experts, its own top-2 router) with ``expert_parallelize``:
-    each rank holds E/ep slices under the same names; losses, gradient norms and parameters equal
-    one process holding every expert."""
+@pytest.mark.parametrize("stage,ep,road", [(1, 2, "api"), (3, 4, "api"), (2, 2, "config"), (3, 2, "config"),
+                                           (1, 4, "config")])
+def test_transformers_fused_experts_split_train_as_one_process(pool, stage, ep, road):
+    """transformers' Qwen3-MoE (fused 3-D experts, its own top-2 router) split by ``expert_parallelize``
+    or by the config's ``expert_parallel`` block (DeepSpeed's AutoEP keys): each rank holds E/ep
+    slices under the same names; losses, gradient norms and parameters equal one process holding
+    every expert."""
     pytest.importorskip("transformers")
     from expert_tasks import train_hf_expert_parallel
-    results = pool.run(train_hf_expert_parallel, 4, stage, ep)
+    results = pool.run(train_hf_expert_parallel, 4, stage, ep, road)
     for r in results:
         for got, want in zip(r["losses"] + r["norms"], r["ref_losses"] + r["ref_norms"]):
             assert abs(got - want) <= 1e-5 * abs(want), (r["losses"], r["ref_losses"], r["norms"], r["ref_norms"])
         for name, want in r["ref_params"].items():
             torch.testing.assert_close(r["params"][name], want, rtol=1e-5, atol=1e-6, msg=name)
         assert len(r["experts"]) == 4 // ep
+
+
+def test_autoep_config_refusals(pool):
+    pytest.importorskip("transformers")
+    from expert_tasks import autoep_refusals
+    r = pool.run(autoep_refusals, 4)[0]
+    assert "preset_model: 'mixtral' is for mixtral models; this model is qwen3_moe" in r["preset"]
+    assert "top_k: 3, but the model's router picks 2 experts" in r["top_k"]
+    assert "expert-parallel size 3 does not divide the world size 4" in r["world"]
+    assert "expert-parallel size 4 does not divide the 6 experts" in r["experts"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import Annotated, Any, ClassVar, Literal, Union, get_args
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, model_validator
 
@@ -21,6 +21,7 @@ from .fields import (  # noqa: F401 (ConfigError and _fmt are read from here too
     _Section,
     _Stage,
 )
+from .parallel import ExpertParallelConfig, PipelineConfig, TensorParallelConfig, TPSizeConfig  # noqa: F401
 
 __all__ = ["ConfigError", "ZeroConfig", "OptimizerConfig", "SchedulerConfig", "Config", "describe_fields"]
 
@@ -245,66 +246,6 @@ class ZeroConfig(_Section):
         return self.stage == 3 if self.overlap_comm is None else self.overlap_comm
 
 
-class TPSizeConfig(_Section):
-    """``tensor_parallel.tp``: DeepSpeed's older spelling of the tensor-parallel size."""
-
-    tp_size: _Positive = Field(1, description="Tensor-parallel size (the same as autotp_size).")
-
-
-class TensorParallelConfig(_Section):
-    """The ``tensor_parallel`` block (DeepSpeed's AutoTP keys)."""
-
-    autotp_size: _NonNegative = Field(
-        0, description="Split the model's layers over this many adjacent ranks (Megatron-style tensor "
-                       "parallelism, on torch's DTensor); ZeRO shards over the data-parallel ranks between the "
-                       "groups. 0 or 1: off. The model's plan comes from partition_config, its transformers "
-                       "tp_plan, or zerodp's plan for the example GPT and GPT-2 (docs/parallel.md).")
-    tp: TPSizeConfig = Field(default_factory=TPSizeConfig, description="DeepSpeed's older tp_size block.")
-    partition_config: dict[str, Any] | None = Field(
-        None, description='Which layers are split: {"layer_specs": [{"patterns": [regex over parameter names], '
-                          '"partition_type": "column" | "row" | "skip", "shape": [k, -1] for a weight fused from '
-                          'k blocks}]}, as DeepSpeed\'s AutoTP reads it.')
-    loss_parallel: bool = Field(
-        False, description="Keep the output layer's logits split over the vocabulary (a DTensor) and compute the "
-                           "model's cross entropy on the slices (torch's loss_parallel) instead of gathering the "
-                           "logits whole; the engine's forward and backward run inside loss_parallel() "
-                           "(docs/parallel.md).")
-    sequence_parallel: bool = Field(
-        False, description="Split the activations between the tensor-parallel layers (norms, dropout, residuals) "
-                           "along the sequence (Megatron's sequence parallelism, torch's SequenceParallel); the "
-                           "example GPT and transformers' GPT-2, Llama, Mistral, Qwen2 and Qwen3 (docs/parallel.md).")
-    dtype: Any = Field(None, description="Accepted for compatibility: the dtype comes from the bf16/fp16 blocks.")
-    tp_overlap_comm: bool = Field(False, description="Accepted for compatibility (no effect).")
-
-    @property
-    def size(self) -> int:
-        """The tensor-parallel size (1: off)."""
-        sizes = {s for s in (self.autotp_size, self.tp.tp_size) if s > 1}
-        if len(sizes) > 1:
-            raise ConfigError(f"tensor_parallel: autotp_size {self.autotp_size} and tp.tp_size {self.tp.tp_size} "
-                              "differ; give one")
-        return next(iter(sizes), 1)
-
-
-class PipelineConfig(_Section):
-    """The ``pipeline`` block: how a ``zerodp.pipe.PipelineModule`` runs (docs/pipeline.md)."""
-
-    stages: Union[_Positive, Literal["auto"]] = Field(
-        "auto", description='Pipeline stages; "auto": the PipelineModule\'s num_stages (a number must equal it).')
-    schedule: Literal["GPipe", "1F1B", "Interleaved1F1B"] = Field(
-        "1F1B", description="torch.distributed.pipelining's schedule: GPipe (all forwards, then all backwards), "
-                            "1F1B (one forward, one backward in the steady state), Interleaved1F1B (1F1B over "
-                            "several chunks per stage: a PipelineModule built with virtual_stages >= 2).")
-    partition: str = Field("best", description="Accepted for compatibility: the PipelineModule's partition_method "
-                                               "decides.")
-    seed_layers: bool = Field(False, description="Accepted for compatibility: the PipelineModule's seed_layers "
-                                                 "decides.")
-    activation_checkpoint_interval: _NonNegative = Field(
-        0, description="Accepted for compatibility: the PipelineModule's activation_checkpoint_interval decides.")
-    pipe_partitioned: bool = Field(True, description="Accepted for compatibility (no effect).")
-    grad_partitioned: bool = Field(True, description="Accepted for compatibility (no effect).")
-
-
 class OptimizerConfig(_Section):
     """The ``optimizer`` block: ``{"type": ..., "params": {...}}``."""
 
@@ -472,6 +413,9 @@ class Config(_Section):
                                                   description="Tensor parallelism (docs/parallel.md).")
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig,
                                      description="Pipeline parallelism (docs/pipeline.md).")
+    expert_parallel: ExpertParallelConfig = Field(
+        default_factory=ExpertParallelConfig,
+        description="Expert parallelism for mixture-of-experts models (DeepSpeed's AutoEP keys; docs/parallel.md).")
     sequence_parallel_size: _Positive = Field(
         1, description="Ulysses sequence parallelism: split each batch's sequence over this many consecutive "
                        "ranks, which attend over the whole sequence for their share of the heads; ZeRO shards "

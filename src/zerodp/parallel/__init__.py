@@ -110,6 +110,9 @@ def grid_for(model: nn.Module, config, *, mpu: Any = None, mesh_param: Any = Non
     elif grid.tp_size > 1 and (missing := [k for k in wanted if not _has(model, k)]):
         raise GridError(f"tensor_parallel.{missing[0]}: zerodp applies it when it splits the model; this model was "
                         f"split before initialize (by its script, an mpu or tp_model_init without the option)")
+    if config.expert_parallel.size > 1 and not expert_parallel_params(model):
+        from .expert_hf import autoep
+        autoep(base_model(model), config.expert_parallel)
     return with_secondary(grid, config.zero_optimization.zero_hpz_partition_size)
 
 

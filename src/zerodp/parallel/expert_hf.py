@@ -92,6 +92,29 @@ def _forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Te
     return (back * top_k_weights.unsqueeze(-1).to(back.dtype)).sum(dim=1)
 
 
+def autoep(model: nn.Module, config) -> list[nn.Module]:
+    """The config's ``expert_parallel`` block (DeepSpeed's AutoEP) applied to ``model``: its preset and
+    routing keys checked against the model (its own router routes), then :func:`expert_parallelize`."""
+    from ..config import ConfigError
+    from ..config.parallel import AUTOEP_PRESETS
+    cfg = getattr(model, "config", None)
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    model_type = getattr(text, "model_type", None)
+    if config.preset_model is not None and model_type not in AUTOEP_PRESETS[config.preset_model]:
+        raise ConfigError(f"expert_parallel.preset_model: '{config.preset_model}' is for "
+                          f"{', '.join(AUTOEP_PRESETS[config.preset_model])} models; this model is "
+                          f"{model_type or type(model).__name__}")
+    k = getattr(text, "num_experts_per_tok", None)
+    if config.top_k != "auto" and k is not None and config.top_k != k:
+        raise ConfigError(f"expert_parallel.top_k: {config.top_k}, but the model's router picks {k} experts "
+                          "(num_experts_per_tok); zerodp routes with the model's own router: leave it \"auto\"")
+    norm = getattr(text, "norm_topk_prob", None)
+    if config.route_norm is not None and norm is not None and config.route_norm != norm:
+        raise ConfigError(f"expert_parallel.route_norm: {config.route_norm}, but the model's norm_topk_prob is "
+                          f"{norm}; zerodp routes with the model's own router: leave it null")
+    return expert_parallelize(model, config.autoep_size)
+
+
 def local_expert_range(module: nn.Module) -> Optional[range]:
     """The global experts a split fused-experts module holds on this rank (None: not split)."""
     if getattr(module, _COMM_ATTR, None) is None or not hasattr(module, "ep_rank"):
