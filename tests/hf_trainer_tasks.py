@@ -30,7 +30,8 @@ do; with ``-mts`` also PEFT's ``modules_to_save=["ln_f"]``, a trained copy of a 
 gradients with ``deepspeed.utils.safe_get_full_grad``) runs after every backward (``run_adalora_case``);
 ``-qwen3moe`` and ``-mixtral`` train transformers' tiny Qwen3-MoE or Mixtral (router aux loss on) instead
 of GPT-2, at stage 3 with every module a unit, so the sparse MoE block must be a leaf (DeepSpeed's default
-leaf classes); ``-resize`` (with ``-pre``) calls ``resize_token_embeddings`` on the loaded model.
+leaf classes); ``-ep2`` splits their experts over the 2 ranks (``expert_parallel.autoep_size``);
+``-resize`` (with ``-pre``) calls ``resize_token_embeddings`` on the loaded model.
 
 The Trainers run on the CPU, or on CUDA with ``ZERODP_HF_TASKS_DEVICE=cuda`` (tests/cuda).
 """
@@ -82,7 +83,8 @@ def ds_config(stage: int, offload: bool) -> dict:
 def parse(case: str) -> dict:
     head, *flags = case.split("-")
     unknown = set(flags) - {"bf16", "fp16", "ovf", "off", "gas2", "pre", "miss", "ckpt", "lora", "tp2", "half",
-                            "nodrop", "sp", "lp", "mics2", "gc", "mts", "qwen3moe", "mixtral", "resize", "adalora"}
+                            "nodrop", "sp", "lp", "mics2", "gc", "mts", "qwen3moe", "mixtral", "resize", "adalora",
+                            "ep2"}
     if unknown or not (head == "plain" or head in ("z0", "z1", "z2", "z3")):
         raise SystemExit(f"bad case {case!r}")
     ds = None if head == "plain" else ds_config(int(head[1]), "off" in flags)
@@ -93,6 +95,8 @@ def parse(case: str) -> dict:
     kind = "qwen3moe" if "qwen3moe" in flags else "mixtral" if "mixtral" in flags else "gpt2"
     if ds is not None and kind != "gpt2":  # every module with parameters a unit: the MoE block must be a leaf
         ds["zero_optimization"]["stage3_param_persistence_threshold"] = 1
+    if ds is not None and "ep2" in flags:  # the experts split over pairs of ranks (AutoEP's config block)
+        ds["expert_parallel"] = {"enabled": True, "autoep_size": 2}
     if ds is not None and "mics2" in flags:
         ds["zero_optimization"]["mics_shard_size"] = 2
     return {"ds": ds, "fp16": "fp16" in flags, "batch": 1 if "half" in flags else 2, "gc": "gc" in flags,

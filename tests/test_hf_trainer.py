@@ -24,7 +24,8 @@ PRE_LORA_REFERENCE = "plain-pre-lora"
 PRE_LORA = ["z2-pre-lora", "z3-pre-lora", "z3-off-pre-lora"]
 PRE_LORA_MTS = ["plain-pre-lora-mts", "z3-pre-lora-mts"]
 RESIZE = ["plain-pre-resize", "z2-pre-resize", "z3-pre-resize"]
-MOE = ["plain-qwen3moe", "z2-qwen3moe", "z3-qwen3moe", "plain-mixtral", "z2-mixtral", "z3-mixtral"]
+MOE = ["plain-qwen3moe", "z2-qwen3moe", "z3-qwen3moe", "plain-mixtral", "z2-mixtral", "z3-mixtral",
+       "z2-qwen3moe-ep2", "z3-mixtral-ep2"]
 FP16 = ["plain-fp16", "z2-fp16", "z3-fp16", "z3-fp16-ovf"]
 MISSING = ["plain-pre-miss", "z2-pre-miss", "z3-pre-miss"]
 CASES = ["plain", *FP32, "plain-gas2", *GAS, "plain-bf16", *BF16, *PRETRAINED, "z3-bf16-pre", *CHECKPOINTS, *LORA,
@@ -152,8 +153,9 @@ def test_resize_token_embeddings_after_from_pretrained(results, case):
 @pytest.mark.parametrize("case", [c for c in MOE if not c.startswith("plain")])
 def test_transformers_moe_models_through_the_trainer(results, case):
     """transformers' own Qwen3-MoE and Mixtral (fused 3-D experts, router aux loss) at stages 2 and 3
-    equal the plain Trainer at every step. At stage 3, with every module a unit, the sparse MoE block
-    is a leaf without being asked (DeepSpeed's default ``leaf_module.classes``)."""
+    equal the plain Trainer at every step, also with their experts split over the 2 ranks by the
+    config's ``expert_parallel`` block (``-ep2``). At stage 3, with every module a unit, the sparse
+    MoE block is a leaf without being asked (DeepSpeed's default ``leaf_module.classes``)."""
     kind = case.split("-")[1]
     same_run(results[case], results[f"plain-{kind}"], rel=1e-5)
     block = {"qwen3moe": "Qwen3MoeSparseMoeBlock", "mixtral": "MixtralSparseMoeBlock"}[kind]

@@ -13,6 +13,7 @@ The exchanges are ``expert.py``'s; so is what ZeRO does with the expert paramete
 from __future__ import annotations
 
 import types
+import weakref
 from typing import Optional
 
 import torch
@@ -25,6 +26,7 @@ from .expert import (
     initialize_expert_parallel,
     mark_expert_params,
 )
+from .tensor import REPLACED_ATTR
 
 
 def fused_experts_modules(model: nn.Module) -> list[nn.Module]:
@@ -59,7 +61,9 @@ def expert_parallelize(model: nn.Module, ep_size: int) -> list[nn.Module]:
         lo = axes.expert.rank * per
         for name, p in list(m.named_parameters(recurse=False)):
             local = nn.Parameter(p.detach()[lo:lo + per].clone(), requires_grad=p.requires_grad)
-            setattr(m, name, local)
+            m.register_parameter(name, local)
+            # an optimizer built before initialize (the Trainer's) holds the whole one: it gets the slice
+            m.__dict__.setdefault(REPLACED_ATTR, []).append((weakref.ref(p), local))
         mark_expert_params(m.parameters(recurse=False), axes, ep_size)
         m.num_experts, m.ep_size, m.ep_rank, m.global_num_experts = per, ep_size, axes.expert.rank, n
         m.comm = axes.expert.comm(label="expert")
