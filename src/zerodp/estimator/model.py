@@ -46,6 +46,13 @@ class ModelInfo:
     split_params: Optional[int] = None
     """Elements of the parameters the model's tensor-parallel plan splits (None: no plan known)."""
     split_trainable: Optional[int] = None
+    expert_params: Optional[int] = None
+    """Elements of the mixture-of-experts layers' experts (None: the model has none, or unknown)."""
+    moe_layers: int = 0
+    """Mixture-of-experts layers (their experts modules)."""
+    top_k: Optional[int] = None
+    """Experts each token goes to (the model config's ``num_experts_per_tok``)."""
+    num_experts: Optional[int] = None
 
     def stage(self, pp: int) -> "ModelInfo":
         """One pipeline stage of ``pp``: 1/pp of the parameters (an even split), its units as they were."""
@@ -112,6 +119,8 @@ def describe_model(model: nn.Module, description: str = "module", source: str = 
         units[unit_of[id(p)]] = units.get(unit_of[id(p)], 0) + p.numel()
     config = getattr(model, "config", None)
     split = _split(model)
+    experts = _experts(model)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return ModelInfo(
         description=description, source=source,
         params=sum(p.numel() for p in params),
@@ -121,7 +130,20 @@ def describe_model(model: nn.Module, description: str = "module", source: str = 
         largest_unit=max((n for u, n in units.items() if u != 0), default=0),
         transformer=transformer_shape(config) if config is not None else None,
         split_params=None if split is None else sum(p.numel() for p in split),
-        split_trainable=None if split is None else sum(p.numel() for p in split if p.requires_grad))
+        split_trainable=None if split is None else sum(p.numel() for p in split if p.requires_grad),
+        expert_params=sum(p.numel() for m, _ in experts for p in m.parameters()) if experts else None,
+        moe_layers=len(experts), top_k=_config_int(text, ("num_experts_per_tok", "top_k")) if experts else None,
+        num_experts=experts[0][1] if experts else None)
+
+
+def _experts(model: nn.Module) -> list[tuple[nn.Module, int]]:
+    """The modules holding a mixture-of-experts layer's experts, with how many: transformers 5's
+    fused experts, or zerodp's ``ExpertParallelMoE`` expert dicts."""
+    from ..parallel.expert import ExpertParallelMoE
+    from ..parallel.expert_hf import fused_experts_modules
+    found = [(m, m.num_experts) for m in fused_experts_modules(model)]
+    found += [(m.experts, m.num_experts) for m in model.modules() if isinstance(m, ExpertParallelMoE)]
+    return found
 
 
 def _split(model: nn.Module) -> Optional[list]:

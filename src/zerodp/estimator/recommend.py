@@ -8,7 +8,8 @@ from typing import Optional, Union
 from torch import nn
 
 from ..core.flat import ALIGN_BYTES
-from .accounting import OptimizerSpec, _optimizer, make_accounting
+from . import experts
+from .accounting import PRECISIONS, OptimizerSpec, _optimizer, make_accounting
 from .activations import Activations, estimate_activations, longest_sequence
 from .buffers import estimate_buffers
 from .cluster import Cluster, resolve_cluster
@@ -98,7 +99,7 @@ def estimate(model: Union[str, int, nn.Module, ModelInfo], *, nodes: int = 1, ra
              shard_size: Optional[int] = None, pp: int = 1, cluster: Union[None, str, dict, Cluster] = None,
              gradient_accumulation: int = 1, recalibrate: bool = False, fused_attention: bool = False,
              virtual_stages: int = 1, hpz: Optional[int] = None, sp: int = 1, tiled: bool = False,
-             offload_activations: bool = False) -> Estimate:
+             offload_activations: bool = False, ep: int = 1) -> Estimate:
     """Per-rank memory of ZeRO stages 0-3, with and without offload, and a recommendation.
 
     ``model``: a parameter count (``"7.5B"`` or an int), a path to a ``transformers`` config
@@ -119,7 +120,8 @@ def estimate(model: Union[str, int, nn.Module, ModelInfo], *, nodes: int = 1, ra
     data-parallel ranks, the sequence-parallel ones included; each rank holds ``seq_len / sp`` tokens
     of activations); ``tiled``: ALST's tiled MLP and loss; ``offload_activations`` (with
     ``checkpointing``): the layers' inputs in host memory (``cpu_checkpointing``). With a device
-    memory, each row also gets the longest sequence that fits (``row.longest_seq``).
+    memory, each row also gets the longest sequence that fits (``row.longest_seq``). ``ep``: expert
+    parallelism, the experts split over groups of ``ep`` ranks (``experts.py``).
     ``cluster`` (a preset name, ``"local"``, a JSON file or a :class:`Cluster`): every row also
     gets its predicted step time (``row.step_time``) for ``micro_batch`` (default 1) x ``seq_len``
     (default: the model's context) x ``gradient_accumulation`` micro-batches per step, and the
@@ -169,6 +171,9 @@ def estimate(model: Union[str, int, nn.Module, ModelInfo], *, nodes: int = 1, ra
     sp = _positive_int(sp, "sp")
     if sp > 1:
         _check_sequence_parallel(info, sp, world, tp, pp, shard_size, hpz, machines)
+    ep = _positive_int(ep, "ep")
+    if ep > 1:
+        _check_expert_parallel(ep, world, tp, pp, sp, shard_size, hpz, machines)
     if hpz > 1:
         if shard_size is not None:
             raise EstimateError("hpz", "hpZ keeps states over every data-parallel rank, hybrid sharding (shard_size) "
@@ -184,8 +189,15 @@ def estimate(model: Union[str, int, nn.Module, ModelInfo], *, nodes: int = 1, ra
     acts = estimate_activations(info, precision, micro_batch, seq_len, checkpointing, fused_attention, pp,
                                 virtual_stages, sp=sp, tiled=tiled, offload=offload_activations)
     buffers = estimate_buffers(info, acc.params, reduce_bucket_size, max_live_parameters, pipeline=pp > 1)
-    rows = [_with_fit(estimate_row(acc, info, stage, off, n, ranks_per_node, buffers, acts.bytes, hpz),
-                      device, cpu) for stage, off in ROW_KEYS]
+    if ep > 1:  # the dense part over the N ranks, this rank's experts over the N / ep holding the same
+        dense, mine = experts.split(info, ep)
+        none = estimate_buffers(mine, acc.params, 0, 0)
+        rows = [_with_fit(experts.add_rows(estimate_row(acc, dense, stage, off, n, ranks_per_node, buffers, acts.bytes),
+                                           estimate_row(acc, mine, stage, off, n // ep, ranks_per_node, none, 0)),
+                          device, cpu) for stage, off in ROW_KEYS]
+    else:
+        rows = [_with_fit(estimate_row(acc, info, stage, off, n, ranks_per_node, buffers, acts.bytes, hpz),
+                          device, cpu) for stage, off in ROW_KEYS]
     if device is not None and pp == 1:
         rows = [replace(r, longest_seq=longest_sequence(
             info, precision, micro_batch, device - (r.device_total - (r.activations or 0)), checkpointing,
@@ -225,6 +237,14 @@ def estimate(model: Union[str, int, nn.Module, ModelInfo], *, nodes: int = 1, ra
     elif shard_size is not None:
         notes.append(f"hybrid sharding (MiCS, mics_shard_size {n}): every state sharded within groups of {n} "
                      "ranks and replicated across the groups; N above is the group")
+    if ep > 1:
+        t = experts.traffic(info, ep, n, micro_batch or 1, acts.seq_len or 1, PRECISIONS[precision])
+        verdict = (f"saves {_gb(t.saving)}" if t.saving >= 0 else f"costs {_gb(-t.saving)} more")
+        notes.append(f"expert parallelism: the {info.num_experts} experts of each of {info.moe_layers} layers over "
+                     f"groups of {ep} ranks; dense states sharded over {n} ranks, expert states over the {n // ep} "
+                     f"holding the same experts; per micro-batch and rank {_gb(t.all_to_all)} of token all-to-alls; "
+                     f"stage 3 gathers {_gb(t.gathers_with)} of experts instead of {_gb(t.gathers_without)} without "
+                     f"expert parallelism (leaf-module ZeRO-3): in bytes moved it {verdict}")
     if sp > 1:
         notes.append(f"sequence parallelism (Ulysses): groups of {sp} ranks share each sequence; ZeRO shards "
                      f"over all {n} data-parallel ranks, the sequence-parallel ones included, and the batch "
@@ -241,7 +261,19 @@ def estimate(model: Union[str, int, nn.Module, ModelInfo], *, nodes: int = 1, ra
                      f"micro-batch {job.micro_batch} x sequence {job.seq_len} x {gradient_accumulation} "
                      "micro-batch(es) per step; a model of the step (docs/estimate.md), not a measurement")
     return Estimate(info, nodes, ranks_per_node, precision, spec, acc, device, cpu, buffers, acts,
-                    rows, rec, reason, notes, tp=tp, shard_size=n, pp=pp, cluster=machines, hpz=hpz, sp=sp)
+                    rows, rec, reason, notes, tp=tp, shard_size=n, pp=pp, cluster=machines, hpz=hpz, sp=sp, ep=ep)
+
+
+def _check_expert_parallel(ep: int, world: int, tp: int, pp: int, sp: int, shard_size: Optional[int], hpz: int,
+                           machines: Optional[Cluster]) -> None:
+    """What zerodp's expert parallelism composes with (as the engine refuses the rest)."""
+    if world % ep:
+        raise EstimateError("ep", f"{ep} does not divide the {world} ranks")
+    if tp > 1 or pp > 1 or sp > 1 or shard_size is not None or hpz > 1:
+        raise EstimateError("ep", "expert parallelism beside tensor, pipeline or sequence parallelism, hybrid sharding "
+                                  "or hpZ is not implemented in zerodp")
+    if machines is not None:
+        raise EstimateError("ep", "step times with expert parallelism are not modelled: drop --time")
 
 
 def _check_sequence_parallel(info: ModelInfo, sp: int, world: int, tp: int, pp: int,

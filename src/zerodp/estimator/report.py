@@ -46,6 +46,8 @@ class Estimate:
     """ZeRO++ hpZ's secondary group size (1: off)."""
     sp: int = 1
     """Ulysses sequence-parallel size (1: off)."""
+    ep: int = 1
+    """Expert-parallel size (1: off)."""
 
     @property
     def world_size(self) -> int:
@@ -64,7 +66,7 @@ class Estimate:
         return {
             "model": asdict(self.model),
             "nodes": self.nodes, "ranks_per_node": self.ranks_per_node, "world_size": self.world_size,
-            "tp": self.tp, "pp": self.pp, "sp": self.sp, "shards": self.shards, "hpz": self.hpz,
+            "tp": self.tp, "pp": self.pp, "sp": self.sp, "ep": self.ep, "shards": self.shards, "hpz": self.hpz,
             "precision": self.precision,
             "optimizer": asdict(self.optimizer),
             "accounting": {**asdict(self.accounting), "k": self.accounting.k,
@@ -151,7 +153,8 @@ def format_estimate(est: Estimate) -> str:
         f"accounting: {acc.describe(est.optimizer)}",
         f"  model states per rank: {acc.formulas()} (Ψ parameters, N = {est.shards} ranks"
         + (f"; Ψ per tensor-parallel rank of {est.tp}" if est.tp > 1 else "")
-        + (f"; Ψ per pipeline stage of {est.pp}" if est.pp > 1 else "") + ")",
+        + (f"; Ψ per pipeline stage of {est.pp}" if est.pp > 1 else "")
+        + (f"; experts over groups of {est.ep}: their states over N/{est.ep}" if est.ep > 1 else "") + ")",
         "",
         *_table(est),
         "",

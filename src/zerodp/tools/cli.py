@@ -140,6 +140,9 @@ def _estimate_add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--sp", default="1", metavar="N", help="Ulysses sequence parallelism (sequence_parallel_size): groups of "
         "N ranks share each sequence, each holding seq/N tokens of activations; ZeRO shards over all the "
         "data-parallel ranks, these included (default 1)")
+    add("--ep", default="1", metavar="N", help="expert parallelism (expert_parallel.autoep_size): each rank of a group "
+        "of N holds 1/N of a mixture-of-experts model's experts whole; expert states shard over the ranks holding "
+        "the same experts (default 1)")
     add("--tiled", action="store_true", help="ALST's tiled MLP and tiled logits-and-loss: the MLP keeps its input "
         "and one tile's intermediates, the loss one tile's logits")
     add("--offload-activations", action="store_true", help="with --checkpointing: the layers' inputs wait in host "
@@ -193,7 +196,7 @@ def _run_estimate(args: argparse.Namespace) -> int:
             checkpointing=args.checkpointing, fused_attention=args.fused_attention, tp=args.tp, pp=args.pp,
             virtual_stages=args.virtual_stages,
             shard_size=None if args.hybrid_shard is None else args.hybrid_shard, hpz=args.hpz, sp=args.sp,
-            tiled=args.tiled, offload_activations=args.offload_activations, **defaults)
+            tiled=args.tiled, offload_activations=args.offload_activations, ep=args.ep, **defaults)
     except estimator.EstimateError as e:
         _error(f"--{e.name.replace('_', '-')}: {e.detail}", "estimate")
         return 2
