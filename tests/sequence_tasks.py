@@ -71,18 +71,22 @@ def _batches(steps: int, dp: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def _config(stage: int, sp: int) -> dict:
-    return {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
+def _config(stage: int, sp: int, gas: int = 1, offload: bool = False) -> dict:
+    zero = {"stage": stage, "stage3_param_persistence_threshold": 1}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    return {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": gas, "steps_per_print": 10**9,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
-            "gradient_clipping": 1.0, "sequence_parallel_size": sp,
-            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 1}}
+            "gradient_clipping": 1.0, "sequence_parallel_size": sp, "zero_optimization": zero}
 
 
 def train_sequence_parallel(group, stage: int, sp: int, kv_heads: int, layer: str, steps: int = 3,
-                            road: str = "config") -> dict:
-    """``steps`` steps with ``sp`` sequence-parallel ranks per group (world 4): each rank runs its
-    data-parallel group's samples, its slice of the sequence, and the mean loss over its tokens.
-    Returns the losses (averaged over the ranks) and the parameters, and the same from one process."""
+                            road: str = "config", gas: int = 1, offload: bool = False) -> dict:
+    """``steps`` steps of ``gas`` micro-batches with ``sp`` sequence-parallel ranks per group (world 4):
+    each rank runs its data-parallel group's samples, its slice of the sequence, and the mean loss
+    over its tokens (optimizer states in host memory with ``offload``). Returns the losses (per
+    micro-batch, averaged over the ranks), the gradient norms (per step) and the parameters, and the
+    same from one process."""
     sp_mod.forget_sequence_axis()
     world, rank = dist.get_world_size(), dist.get_rank()
     dp = world // sp
@@ -94,13 +98,13 @@ def train_sequence_parallel(group, stage: int, sp: int, kv_heads: int, layer: st
     else:
         axis = sp_mod.initialize_sequence_parallel(sp)  # before the model, as DeepSpeed's users do
         model = TinyAttentionLM(kv_heads, axis.comm(label="sequence"), layer)
-        engine, _, _, _ = zerodp.initialize(model=model, config=_config(stage, sp))
+        engine, _, _, _ = zerodp.initialize(model=model, config=_config(stage, sp, gas, offload))
     assert engine.dp_world_size == dp and engine.seq_dp_world_size == world
     me_dp, me_sp = engine.dp_rank, rank % sp
     chunk = SEQ // sp
     cut = slice(me_sp * chunk, (me_sp + 1) * chunk)
     losses, norms = [], []
-    for ids, labels in _batches(steps, dp):
+    for i, (ids, labels) in enumerate(_batches(steps * gas, dp)):
         mine = slice(me_dp * BATCH, (me_dp + 1) * BATCH)
         x, y = ids[mine, cut], labels[mine, cut]
         pos = torch.arange(SEQ)[cut].expand(BATCH, -1)
@@ -109,7 +113,8 @@ def train_sequence_parallel(group, stage: int, sp: int, kv_heads: int, layer: st
             / (y != -100).sum().clamp(min=1) * (y.numel() / (BATCH * chunk))
         engine.backward(loss)
         engine.step()
-        norms.append(engine.get_global_grad_norm())
+        if (i + 1) % gas == 0:
+            norms.append(engine.get_global_grad_norm())
         total = torch.tensor([loss.item() * (y != -100).sum().item(), float((y != -100).sum())])
         dist.all_reduce(total)
         losses.append(total[0].item() / total[1].item())
@@ -123,7 +128,7 @@ def train_sequence_parallel(group, stage: int, sp: int, kv_heads: int, layer: st
     ref = TinyAttentionLM(kv_heads)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
     ref_losses, ref_norms = [], []
-    for ids, labels in _batches(steps, dp):
+    for i, (ids, labels) in enumerate(_batches(steps * gas, dp)):
         logits = ref(ids, torch.arange(SEQ).expand(ids.shape[0], -1))
         # each rank's loss is its tokens' mean; the engine averages over the ranks
         per_rank = []
@@ -134,11 +139,13 @@ def train_sequence_parallel(group, stage: int, sp: int, kv_heads: int, layer: st
                 per_rank.append(F.cross_entropy(lg.reshape(-1, VOCAB), y.reshape(-1), ignore_index=-100,
                                                 reduction="sum") / (y != -100).sum().clamp(min=1)
                                 * (y.numel() / (BATCH * chunk)))
-        loss = torch.stack(per_rank).mean()
-        opt.zero_grad()
+        loss = torch.stack(per_rank).mean() / gas
+        if i % gas == 0:
+            opt.zero_grad()
         loss.backward()
-        ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0).item())
-        opt.step()
+        if (i + 1) % gas == 0:
+            ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0).item())
+            opt.step()
         valid = (labels != -100).sum()
         ref_losses.append(F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100,
                                           reduction="sum").item() / valid.item())

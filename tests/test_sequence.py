@@ -22,6 +22,18 @@ def test_sequence_parallel_trains_as_one_process(pool, stage, sp, kv_heads, laye
     assert len(results) == 4
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_sequence_parallel_with_offload_and_accumulation_trains_as_one_process(pool, stage):
+    """Optimizer states in host memory and 2 micro-batches per step, sp 2 beside 2 data-parallel ranks."""
+    from sequence_tasks import train_sequence_parallel
+    for r in pool.run(train_sequence_parallel, 4, stage, 2, 2, "function", gas=2, offload=True):
+        assert len(r["losses"]) == 6 and len(r["norms"]) == 3
+        for got, want in zip(r["norms"] + r["losses"], r["ref_norms"] + r["ref_losses"]):
+            assert abs(got - want) <= 1e-5 * abs(want), (r["norms"], r["ref_norms"], r["losses"], r["ref_losses"])
+        for name, want in r["ref_params"].items():
+            torch.testing.assert_close(r["params"][name], want, rtol=1e-5, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 def test_deepspeeds_parallel_state_module_is_the_mpu(pool, stage):
     """``initialize(mpu=parallel_state_sp)`` after ``initialize_sequence_parallel``, as DeepSpeed's users
