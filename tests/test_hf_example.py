@@ -66,6 +66,7 @@ def test_trl_sft_script_runs_unchanged_with_a_shipped_zero3_config(runs):
     assert any(not torch.equal(z3[k], start[k]) for k in z3)  # it trained
 
 
+@pytest.mark.slow  # 40-55 s; AutoTP through TRL's trainer is checked in CI by test_trl.py's AutoTP parity
 def test_trl_sft_script_with_autotp_equals_stage_0(no_deepspeed_python, tmp_path):
     """The same script with the shipped config at stage 2 (optimizer offloaded) and
     ``"tensor_parallel": {"autotp_size": 2}`` on 4 ranks (transformers splits the model, Accelerate
@@ -101,7 +102,7 @@ def test_trl_sft_script_with_autotp_equals_stage_0(no_deepspeed_python, tmp_path
     assert any(not torch.equal(tp[k], start[k]) for k in tp)  # it trained
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "qwen3moe"])
+@pytest.mark.parametrize("kind", [pytest.param("gpt2", marks=pytest.mark.slow), "qwen3moe"])  # the same road
 def test_accelerate_launch_with_a_deepspeed_config(no_deepspeed_python, tmp_path, kind):
     """``accelerate launch --use_deepspeed --deepspeed_config_file ...`` (Accelerate's launcher reads
     ``deepspeed.launcher.runner``) runs a Trainer script on zerodp at stage 3, with the losses of
