@@ -265,3 +265,43 @@ def proc_status_mib(key: str) -> float:
 def peak_rss_mib() -> float:
     """Peak resident set size of this process so far."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# ---------------------------------------------------------------------------- worker processes
+
+
+def start_worker() -> bool:
+    """In a torchrun worker: the process group (NCCL and this rank's GPU where CUDA is there, else
+    gloo); whether it runs on CUDA."""
+    import torch
+    import torch.distributed as dist
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    return cuda
+
+
+class AddedPeak:
+    """What a worker's steps add to its memory at their peak (MiB): on CUDA the allocator's peak over
+    what was allocated at the start, else the resident high-water mark over the RSS at the start
+    (reset through ``/proc/self/clear_refs``). ``sync()`` waits for the GPU before a clock is read."""
+
+    def __init__(self, cuda: bool) -> None:
+        import torch
+        self.cuda, self.torch = cuda, torch
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated() / 2**20
+        else:
+            self.base = proc_status_mib("VmRSS")
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # the high-water mark starts again from now
+
+    def sync(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+    def mib(self) -> float:
+        return (self.torch.cuda.max_memory_allocated() / 2**20 if self.cuda else proc_status_mib("VmHWM")) - self.base

@@ -35,10 +35,7 @@ def worker(ep: int, steps: int, warmup: int) -> None:
     import zerodp
     from zerodp.core.collectives import all_gather_numbers
 
-    cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    cuda = _common.start_worker()
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
@@ -59,26 +56,17 @@ def worker(ep: int, steps: int, warmup: int) -> None:
         engine.backward(loss)
         engine.step()
 
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated() / 2**20
-    else:
-        base = _common.proc_status_mib("VmRSS")
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
+    meter = _common.AddedPeak(cuda)
     for _ in range(warmup):
         step()
     times = []
     for _ in range(steps):
-        if cuda:
-            torch.cuda.synchronize()
+        meter.sync()
         t0 = time.perf_counter()
         step()
-        if cuda:
-            torch.cuda.synchronize()
+        meter.sync()
         times.append(time.perf_counter() - t0)
-    peak = (torch.cuda.max_memory_allocated() / 2**20 if cuda else _common.proc_status_mib("VmHWM")) - base
+    peak = meter.mib()
     sent = {group: kinds["total"] for group, kinds in engine.comm_stats(by_group=True).items()}
     rows = all_gather_numbers({"peak": peak, "seconds": statistics.median(times)})
     if rank == 0:

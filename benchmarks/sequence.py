@@ -41,10 +41,6 @@ PRESETS = {"tiny": (256, 4, 8, 4, 1024, 8192), "1b": (2048, 16, 32, 8, 8192, 128
 HIDDEN, LAYERS, HEADS, KV_HEADS, FFN, VOCAB = PRESETS[os.environ.get("SEQUENCE_BENCH_PRESET", "tiny")]
 
 
-def _status_mib(key: str) -> float:
-    return _common.proc_status_mib(key)
-
-
 VARIANTS = ("plain", "tiled", "tiled+ckpt", "tiled+ckpt+offload")
 
 
@@ -60,11 +56,8 @@ def worker(sp: int, variant: str, seq: int) -> None:
     from zerodp.parallel.sequence_hf import UlyssesSPAttentionHF
     from zerodp.parallel.tiled import TiledFusedLogitsLoss, TiledMLP
 
-    cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
+    cuda = _common.start_worker()
     rank = dist.get_rank()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     tiled, ckpt, offload = variant != "plain", "ckpt" in variant, "offload" in variant
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN,
@@ -111,23 +104,14 @@ def worker(sp: int, variant: str, seq: int) -> None:
         engine.step()
         return loss.item()
 
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated() / 2**20
-    else:
-        base = _status_mib("VmRSS")
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # the high-water mark starts again from now
+    meter = _common.AddedPeak(cuda)
     step()
-    if cuda:
-        torch.cuda.synchronize()
+    meter.sync()
     t0 = time.perf_counter()
     step()
-    if cuda:
-        torch.cuda.synchronize()
+    meter.sync()
     seconds = time.perf_counter() - t0
-    peak = (torch.cuda.max_memory_allocated() / 2**20 if cuda else _status_mib("VmHWM")) - base
+    peak = meter.mib()
     rows = all_gather_numbers({"peak": peak, "seconds": seconds})
     if rank == 0:
         print(_common.RESULT_PREFIX + json.dumps({"peak_mib": max(r["peak"] for r in rows),
@@ -178,8 +162,9 @@ def main() -> None:
                 best = (seq, got)
                 seq *= 2
             rows.append((sp, variant, best))
-    print(f"\n`python benchmarks/sequence.py --preset {args.preset} --device {args.device} --sps {' '.join(map(str, args.sps))} --budget-mib "
-          f"{args.budget_mib:g} --start {args.start} --variants {' '.join(variants)}` "
+    print(f"\n`python benchmarks/sequence.py --preset {args.preset} --device {args.device} "
+          f"--sps {' '.join(map(str, args.sps))} --budget-mib {args.budget_mib:g} --start {args.start} "
+          f"--variants {' '.join(variants)}` "
           f"({(time.perf_counter() - t0) / 60:.1f} min)\n")
     hidden, layers, heads, kv_heads, _, vocab = PRESETS[args.preset]
     print(f"Llama {layers} layers, hidden {hidden}, {heads} heads ({kv_heads} key/value), vocabulary {vocab}; "
