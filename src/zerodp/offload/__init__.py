@@ -5,7 +5,9 @@
 * ``swap.py``: tensors paged to and from files with parallel positional I/O;
 * ``params.py``: stage 3's ``offload_param`` — parameter shards in host memory or in files,
   brought to the device when their unit is gathered;
-* ``host.py``: the host-memory check made before anything is allocated.
+* ``host.py``: the host-memory check made before anything is allocated;
+* ``activations.py``: ``activation_checkpointing.cpu_checkpointing``, checkpointed layers' inputs
+  in host memory from forward to backward.
 """
 from __future__ import annotations
 
