@@ -41,27 +41,33 @@ def _batches(steps: int, world: int) -> list[list[tuple[torch.Tensor, torch.Tens
              for _ in range(world)] for _ in range(steps)]
 
 
-def train_expert_parallel(group, stage: int, ep: int, steps: int = 3) -> dict:
+def train_expert_parallel(group, stage: int, ep: int, steps: int = 3, gas: int = 1, offload: bool = False) -> dict:
+    """``steps`` optimizer steps of ``gas`` micro-batches (optimizer states in host memory with
+    ``offload``); the losses per micro-batch, the gradient norms per step, the parameters."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     model = ToyMoE(ep)
-    cfg = {"train_micro_batch_size_per_gpu": BATCH, "steps_per_print": 10**9, "gradient_clipping": 1.0,
-           "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
-           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 1}}
+    zero = {"stage": stage, "stage3_param_persistence_threshold": 1}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    cfg = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": gas, "steps_per_print": 10**9,
+           "gradient_clipping": 1.0, "optimizer": {"type": "SGD", "params": {"lr": 0.5}}, "zero_optimization": zero}
     engine, _, _, _ = zerodp.initialize(model=model, config=cfg, process_group=group)
     ref = ToyMoE(1)
     opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     losses, norms, ref_losses, ref_norms = [], [], [], []
-    for batch in _batches(steps, world):
+    for i, batch in enumerate(_batches(steps * gas, world)):
         loss = engine(*batch[rank])
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-        norms.append(engine.get_global_grad_norm())
         per_rank = [ref(*b) for b in batch]
-        opt.zero_grad()
-        torch.stack(per_rank).mean().backward()
-        ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0).item())
-        opt.step()
+        if i % gas == 0:
+            opt.zero_grad()
+        (torch.stack(per_rank).mean() / gas).backward()
+        if (i + 1) % gas == 0:
+            norms.append(engine.get_global_grad_norm())
+            ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0).item())
+            opt.step()
         ref_losses.append(per_rank[rank].item())
     params = list(engine.module.parameters())
     with zerodp.zero.GatheredParameters(params):

@@ -30,6 +30,18 @@ def test_expert_parallel_trains_as_one_process(pool, stage, ep):
     assert len(results[0]["refused"]) == 2 and all("expert_data axis" in m for m in results[0]["refused"])
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_expert_parallel_with_offload_and_accumulation_trains_as_one_process(pool, stage):
+    """ep 2 on 4 ranks, optimizer states in host memory, 2 micro-batches per step."""
+    from expert_tasks import train_expert_parallel
+    for r in pool.run(train_expert_parallel, 4, stage, 2, gas=2, offload=True):
+        assert len(r["losses"]) == 6 and len(r["norms"]) == 3
+        for got, want in zip(r["losses"] + r["norms"], r["ref_losses"] + r["ref_norms"]):
+            assert abs(got - want) <= 1e-5 * abs(want), (r["losses"], r["ref_losses"], r["norms"], r["ref_norms"])
+        for name, want in r["ref_params"].items():
+            torch.testing.assert_close(r["params"][name], want, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_expert_parallel_refusals(pool):
     from expert_tasks import refusals
     r = pool.run(refusals, 4)[0]
