@@ -30,11 +30,12 @@ def test_expert_parallel_trains_as_one_process(pool, stage, ep):
     assert len(results[0]["refused"]) == 2 and all("expert_data axis" in m for m in results[0]["refused"])
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_expert_parallel_with_offload_and_accumulation_trains_as_one_process(pool, stage):
-    """ep 2 on 4 ranks, optimizer states in host memory, 2 micro-batches per step."""
+@pytest.mark.parametrize("stage,params", [(2, False), (3, False), (3, True)])
+def test_expert_parallel_with_offload_and_accumulation_trains_as_one_process(pool, stage, params):
+    """ep 2 on 4 ranks, optimizer states (and at stage 3 also parameter shards) in host memory, 2
+    micro-batches per step."""
     from expert_tasks import train_expert_parallel
-    for r in pool.run(train_expert_parallel, 4, stage, 2, gas=2, offload=True):
+    for r in pool.run(train_expert_parallel, 4, stage, 2, gas=2, offload=True, offload_params=params):
         assert len(r["losses"]) == 6 and len(r["norms"]) == 3
         for got, want in zip(r["losses"] + r["norms"], r["ref_losses"] + r["ref_norms"]):
             assert abs(got - want) <= 1e-5 * abs(want), (r["losses"], r["ref_losses"], r["norms"], r["ref_norms"])
