@@ -24,7 +24,7 @@ whose experts got no token still takes part in every collective (its experts' gr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -94,6 +94,31 @@ class _AllToAllRows(torch.autograd.Function):
         return None, ctx.comm.all_to_all_rows(grad, ctx.recv, ctx.send, what=ctx.what + " (backward)"), None, None, None
 
 
+def route(comm: Comm, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, num_experts: int, rank: int,
+          run: Callable[[torch.Tensor, list[list[int]]], torch.Tensor]) -> torch.Tensor:
+    """Tokens ``x [T, h]`` to their ``chosen [T, k]`` experts over the expert-parallel group ``comm``
+    (this rank, ``rank``, holds experts ``rank * E/ep`` to ``(rank + 1) * E/ep``) and back, weighted by
+    ``weights [T, k]`` and summed. Token counts per expert go first, then the tokens, grouped by
+    expert; ``run(tokens, counts)`` computes this rank's experts' outputs for the rows it received
+    (laid out per source rank, then per local expert, ``counts[source][local expert]`` rows each)."""
+    k, ep = chosen.shape[-1], comm.world_size
+    per = num_experts // ep
+    flat = chosen.reshape(-1)  # token t's j-th expert at t * k + j
+    order = flat.argsort(stable=True)  # assignments grouped by expert
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    every = comm.all_gather_ints(counts, what="expert token counts")  # [source rank][expert]
+    send = [sum(counts[r * per:(r + 1) * per]) for r in range(ep)]
+    mine = [src[rank * per:(rank + 1) * per] for src in every]  # per source, per local expert
+    recv = [sum(c) for c in mine]
+    tokens = _AllToAllRows.apply(comm, x[order // k], send, recv, "tokens to their experts")
+    out = run(tokens, mine)
+    if tokens.requires_grad and not out.requires_grad:  # no token here: still in the backward exchange
+        out = out + tokens.sum() * 0
+    out = _AllToAllRows.apply(comm, out, recv, send, "expert outputs")
+    out = out[order.argsort()].view(-1, k, x.shape[-1])
+    return (out * weights.unsqueeze(-1).to(out.dtype)).sum(dim=1)
+
+
 class ExpertParallelMoE(nn.Module):
     """A mixture-of-experts layer with its experts split over an expert-parallel group.
 
@@ -130,24 +155,8 @@ class ExpertParallelMoE(nn.Module):
         weights, chosen = probs.topk(self.top_k, dim=-1)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        flat = chosen.reshape(-1)  # token t's j-th expert at t * k + j
-        order = flat.argsort(stable=True)  # assignments grouped by expert
-        tokens = x[order // self.top_k]
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        if self.axes is not None:
-            every = self.comm.all_gather_ints(counts, what="expert token counts")  # [source rank][expert]
-            per, me = self.per_rank, self.axes.expert.rank
-            send = [sum(counts[r * per:(r + 1) * per]) for r in range(self.ep_size)]
-            mine = [src[me * per:(me + 1) * per] for src in every]  # per source, per local expert
-            recv = [sum(c) for c in mine]
-            tokens = _AllToAllRows.apply(self.comm, tokens, send, recv, "tokens to their experts")
-        else:
-            mine = [counts]
-        out = self._run_experts(tokens, mine)
-        if self.axes is not None:
-            out = _AllToAllRows.apply(self.comm, out, recv, send, "expert outputs")
-        out = out[order.argsort()].view(-1, self.top_k, shape[-1])
-        return (out * weights.unsqueeze(-1).to(out.dtype)).sum(dim=1).view(shape)
+        rank = self.axes.expert.rank if self.axes is not None else 0
+        return route(self.comm, x, chosen, weights, self.num_experts, rank, self._run_experts).view(shape)
 
     def _run_experts(self, tokens: torch.Tensor, counts: list[list[int]]) -> torch.Tensor:
         """Each local expert once, on its rows of ``tokens`` (laid out per source rank, then per

@@ -19,13 +19,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .expert import (
-    _COMM_ATTR,
-    ExpertParallelError,
-    _AllToAllRows,
-    initialize_expert_parallel,
-    mark_expert_params,
-)
+from .expert import _COMM_ATTR, ExpertParallelError, initialize_expert_parallel, mark_expert_params, route
 from .tensor import REPLACED_ATTR
 
 
@@ -75,25 +69,13 @@ def expert_parallelize(model: nn.Module, ep_size: int) -> list[nn.Module]:
 def _forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
              top_k_weights: torch.Tensor) -> torch.Tensor:
     """An expert-parallel fused-experts module's forward (see the module docstring)."""
-    k, per, ep, me = top_k_index.shape[-1], self.num_experts, self.ep_size, self.ep_rank
-    flat = top_k_index.reshape(-1)
-    order = flat.argsort(stable=True)  # the rows grouped by expert
-    rows = hidden_states[order // k]
-    counts = torch.bincount(flat, minlength=self.global_num_experts).tolist()
-    every = self.comm.all_gather_ints(counts, what="expert token counts")  # [source rank][expert]
-    send = [sum(counts[r * per:(r + 1) * per]) for r in range(ep)]
-    mine = [src[me * per:(me + 1) * per] for src in every]
-    recv = [sum(c) for c in mine]
-    tokens = _AllToAllRows.apply(self.comm, rows, send, recv, "tokens to their experts")
-    local = torch.cat([torch.full((c,), i, dtype=torch.long) for src in mine for i, c in enumerate(src)]
-                      or [torch.zeros(0, dtype=torch.long)]).to(tokens.device)
-    out = type(self).forward(self, tokens, local.unsqueeze(-1),
-                             torch.ones(local.shape[0], 1, dtype=tokens.dtype, device=tokens.device))
-    if tokens.requires_grad and not out.requires_grad:  # no token here: still in the backward exchange
-        out = out + tokens.sum() * 0
-    back = _AllToAllRows.apply(self.comm, out, recv, send, "expert outputs")
-    back = back[order.argsort()].view(-1, k, hidden_states.shape[-1])
-    return (back * top_k_weights.unsqueeze(-1).to(back.dtype)).sum(dim=1)
+    def run(tokens: torch.Tensor, counts: list[list[int]]) -> torch.Tensor:  # the module's own, weight 1
+        local = torch.cat([torch.full((c,), i, dtype=torch.long) for src in counts for i, c in enumerate(src)]
+                          or [torch.zeros(0, dtype=torch.long)]).to(tokens.device)
+        return type(self).forward(self, tokens, local.unsqueeze(-1),
+                                  torch.ones(local.shape[0], 1, dtype=tokens.dtype, device=tokens.device))
+
+    return route(self.comm, hidden_states, top_k_index, top_k_weights, self.global_num_experts, self.ep_rank, run)
 
 
 def autoep(model: nn.Module, config) -> list[nn.Module]:
