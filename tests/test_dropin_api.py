@@ -124,16 +124,16 @@ def test_no_deepspeed_module_is_shadowed():
 # -- names zerodp refuses ----------------------------------------------------------------------
 
 def test_unsupported_names_say_so():
-    # real scripts import these whether or not they use them (DeepSpeed's CIFAR example:
-    # `from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer`
-    # at the top): the import works, any use raises naming the feature
+    # real scripts import these whether or not they use them: the import works, any use raises
+    # naming the feature
     scope: dict = {}
-    exec("from zerodp.moe.utils import split_params_into_different_moe_groups_for_optimizer as split\n"
-         "import zerodp.moe.layer", scope)
-    with pytest.raises(NotImplementedError, match="Mixture-of-Experts"):
-        scope["split"]({"params": []})
-    with pytest.raises(NotImplementedError, match=r"zerodp\.moe\.layer\.MoE: .*Mixture-of-Experts"):
-        scope["zerodp"].moe.layer.MoE(hidden_size=8, expert=None)
+    exec("from zerodp.compression.compress import init_compression\n"
+         "import zerodp.compression.helper", scope)
+    with pytest.raises(NotImplementedError, match="model compression"):
+        scope["init_compression"](None, "ds_config.json")
+    with pytest.raises(NotImplementedError, match=r"zerodp\.compression\.helper\.convert_conv1d_to_linear: "
+                       ".*model compression"):
+        scope["zerodp"].compression.helper.convert_conv1d_to_linear(None, None)
     with pytest.raises(NotImplementedError, match="inference engine"):
         _ = zerodp.init_inference
     with pytest.raises(AttributeError):
@@ -367,8 +367,8 @@ def test_ops_adagrad_and_lion():
 def test_engine_compile_as_deepspeed_and_accelerate_call_it():
     """engine.compile(backend=, compile_kwargs=) runs the model compiled at stages 0-2, with the
     same numbers; stage 3 refuses it by name. (torch.compile reads ``__file__`` of every module
-    imported, the refused ones such as ``zerodp.moe`` included.)"""
-    import zerodp.moe  # noqa: F401
+    imported, the refused ones such as ``zerodp.compression`` included.)"""
+    import zerodp.compression  # noqa: F401
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 1))
     x = torch.randn(3, 4)

@@ -3,7 +3,7 @@
 A DeepSpeed script ports by changing its imports (``import zerodp as deepspeed``, ``from
 zerodp.X import Y`` for ``from deepspeed.X import Y``): the package has DeepSpeed's everyday names
 (``initialize``, ``init_distributed``, ``add_config_arguments``, ``zero``, ``comm``,
-``accelerator.get_accelerator``, ``checkpointing``, ``utils``, ``ops.adam``); the DeepSpeed
+``accelerator.get_accelerator``, ``checkpointing``, ``utils``, ``ops.adam``, ``moe``); the DeepSpeed
 features it does not implement raise an error naming them (``unsupported.py``).
 
 The API in brief::
@@ -24,7 +24,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from . import _moved, accelerator, checkpointing, comm, ops, parallel, runtime, unsupported, utils, zero  # noqa: F401 (DeepSpeed's modules)
+from . import _moved, accelerator, checkpointing, comm, moe, ops, parallel, runtime, unsupported, utils, zero  # noqa: F401 (DeepSpeed's modules)
 from ._version import __version__ as __version__
 from .checkpoint import CheckpointError
 from .comm import init_distributed

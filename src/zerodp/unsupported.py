@@ -3,9 +3,8 @@
 A script ported by ``import zerodp as deepspeed`` that reaches for one of these gets
 :class:`NotImplementedInZerodp` naming the feature, whether it reads an attribute
 (``deepspeed.init_inference``: the package's ``__getattr__``) or imports a module
-(``from deepspeed.moe.layer import MoE``: :class:`UnsupportedFinder`). Such imports succeed,
-because real scripts import these modules whether or not they use them (DeepSpeed's CIFAR
-example imports ``deepspeed.moe.utils`` at the top); what they import is a placeholder that
+(``from deepspeed.compression.compress import init_compression``: :class:`UnsupportedFinder`). Such imports succeed,
+because real scripts import these modules whether or not they use them; what they import is a placeholder that
 raises when called or instantiated. The error is an ``AttributeError`` for attributes of the
 package (so ``hasattr`` probes answer False) and a ``NotImplementedError`` either way.
 """
@@ -17,7 +16,6 @@ import sys
 
 #: DeepSpeed name -> what it is.
 NOT_IMPLEMENTED: dict[str, str] = {
-    "moe": "Mixture-of-Experts layers (deepspeed.moe)",
     "init_inference": "the inference engine (deepspeed.init_inference)",
     "InferenceEngine": "the inference engine",
     "inference": "the inference engine (deepspeed.inference)",
@@ -40,7 +38,7 @@ class NotImplementedInZerodp(AttributeError, NotImplementedError):
 
 
 class _Refused:
-    """What ``from zerodp.moe.X import Y`` gives: anything reached from it is another
+    """What ``from zerodp.compression.X import Y`` gives: anything reached from it is another
     placeholder, and calling it raises :class:`NotImplementedInZerodp` naming the feature."""
 
     def __init__(self, feature: str, path: str) -> None:
@@ -61,7 +59,7 @@ def error(name: str) -> NotImplementedInZerodp:
 
 
 class UnsupportedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Makes ``import zerodp.moe.utils`` (and the other submodules in :data:`NOT_IMPLEMENTED`)
+    """Makes ``import zerodp.compression.compress`` (and the other submodules in :data:`NOT_IMPLEMENTED`)
     succeed with modules of placeholders (:class:`_Refused`) instead of "No module named"."""
 
     def find_spec(self, fullname, path, target=None):

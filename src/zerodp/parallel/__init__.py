@@ -28,6 +28,7 @@ from ..core.flat import is_dtensor
 from .adapters import base_model, expand_adapters
 from .base import Parallelism
 from .expert import ExpertParallel, ExpertParallelError, expert_parallel_params
+from .expert_capacity import join_expert_groups
 from .grid import Grid, GridError, build_grid, grid_from_mesh, grid_from_mpu, with_secondary
 from .plans import check_heads, localize, plan_for, with_loss_parallel, with_sequence_parallel
 from .sequence import SequenceParallel, initialize_sequence_parallel
@@ -110,6 +111,7 @@ def grid_for(model: nn.Module, config, *, mpu: Any = None, mesh_param: Any = Non
     elif grid.tp_size > 1 and (missing := [k for k in wanted if not _has(model, k)]):
         raise GridError(f"tensor_parallel.{missing[0]}: zerodp applies it when it splits the model; this model was "
                         f"split before initialize (by its script, an mpu or tp_model_init without the option)")
+    join_expert_groups(model)  # DeepSpeed's MoE layers made before torch.distributed was up
     if config.expert_parallel.size > 1 and not expert_parallel_params(model):
         from .expert_hf import autoep
         autoep(base_model(model), config.expert_parallel)

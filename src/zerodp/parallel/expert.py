@@ -215,10 +215,55 @@ class ExpertParallel(Parallelism):
         self.axes = _AXES[sizes[0]]
         self.comm = self.axes.expert_data.comm(counter, EXPERT_DATA)
         for m in expert_parallel_layers(model):  # the token exchanges count with the engine's bytes
-            m.comm = self.axes.expert.comm(counter, "expert")
+            comm = self.axes.expert.comm(counter, "expert")
+            m.set_comm(comm) if hasattr(m, "set_comm") else setattr(m, "comm", comm)
 
     def shard_axes(self) -> dict[str, Comm]:
         return {EXPERT_DATA: self.comm}
 
     def shard_axis_of(self, model: nn.Module) -> dict[int, str]:
         return {id(p): EXPERT_DATA for p in expert_parallel_params(model)}
+
+
+def is_moe_param(param: torch.Tensor) -> bool:
+    """Whether ``param`` is an expert parameter (DeepSpeed's mark: ``allreduce`` set to False)."""
+    return getattr(param, "allreduce", True) is False
+
+
+def split_moe_param_groups(param_groups, max_group_size: Optional[float] = 178956971) -> list[dict]:
+    """DeepSpeed's ``split_params_into_different_moe_groups_for_optimizer``: move the expert
+    parameters of each optimizer param group (a dict, or a list or tuple of them) into groups of
+    their own, one per group of the original and expert group name (``param.group_name``), marked
+    ``"moe": True`` and named after the expert group, with the original's other options; with
+    ``max_group_size``, each such group is cut into groups of at most that many elements. The dicts
+    given are changed in place (they keep the dense parameters); returns the list of all groups."""
+    if isinstance(param_groups, dict):
+        groups = [param_groups]
+    elif isinstance(param_groups, (list, tuple)):
+        groups = list(param_groups)
+    else:
+        raise ValueError(f"split_params_into_different_moe_groups_for_optimizer: unknown param group type "
+                         f"{type(param_groups).__name__}")
+    names = sorted({p.group_name for g in groups for p in g["params"] if is_moe_param(p)})
+    moe_groups = []
+    for g in list(groups):
+        params = list(g["params"])
+        g["params"] = [p for p in params if not is_moe_param(p)]
+        for name in names:
+            mine = [p for p in params if is_moe_param(p) and p.group_name == name]
+            base = {**g, "name": name, "moe": True}
+            if max_group_size is None:
+                moe_groups.append({**base, "params": mine})
+                continue
+            chunk: list = []
+            size = 0
+            for p in mine:
+                n = int(getattr(p, "ds_numel", p.numel()))
+                if chunk and size + n > max_group_size:
+                    moe_groups.append({**base, "params": chunk})
+                    chunk, size = [], 0
+                chunk.append(p)
+                size += n
+            if chunk:
+                moe_groups.append({**base, "params": chunk})
+    return groups + moe_groups
