@@ -29,15 +29,15 @@ WORLD = 2
 
 def port(text: str) -> str:
     """The README's rule: only the deepspeed imports change."""
-    text = re.sub(r"^import deepspeed$", "import zerodp as deepspeed", text, flags=re.M)
-    return re.sub(r"^from deepspeed((?:\.\w+)*) import ", r"from zerodp\1 import ", text, flags=re.M)
+    text = re.sub(r"^(\s*)import deepspeed$", r"\1import zerodp as deepspeed", text, flags=re.M)
+    return re.sub(r"^(\s*)from deepspeed((?:\.\w+)*) import ", r"\1from zerodp\2 import ", text, flags=re.M)
 
 
 def ported(name: str, folder: Path) -> Path:
     original = (SCRIPTS / name).read_text()
     text = port(original)
     changed = [(a, b) for a, b in zip(original.splitlines(), text.splitlines()) if a != b]
-    assert changed and all(a.startswith(("import deepspeed", "from deepspeed")) for a, _ in changed)
+    assert changed and all(a.lstrip().startswith(("import deepspeed", "from deepspeed")) for a, _ in changed)
     assert "zerodp" not in original
     path = folder / name
     path.write_text(text)
@@ -64,16 +64,18 @@ def ds_config(stage: int, precision: str, micro: int, gas: int, lr: float) -> di
     return cfg
 
 
-def launch(script: Path, runs: list[list[str]], folder: Path, timeout: float = 900) -> None:
-    """One torchrun launch of ``script`` per argument list in ``runs`` (via ds_script_runner)."""
+def launch(script: Path, runs: list[list[str]], folder: Path, timeout: float = 900, world: int = WORLD,
+           **env: str) -> None:
+    """One torchrun launch of ``script`` on ``world`` ranks per argument list in ``runs`` (via
+    ds_script_runner), with ``env`` added to the environment."""
     runs_path = folder / "runs.json"
     runs_path.write_text(json.dumps(runs))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **env, "PYTHONPATH": os.pathsep.join(
         [str(HERE.parent / "src"), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
            "--master-port", str(_free_port()), str(HERE / "ds_script_runner.py"), str(script), str(runs_path)]
-    proc = subprocess.run(cmd, cwd=folder, env=env, capture_output=True, text=True, timeout=timeout)
-    done = [(folder / f"runs.json.rank{r}.done") for r in range(WORLD)]
+    proc = subprocess.run(cmd, cwd=folder, env=full_env, capture_output=True, text=True, timeout=timeout)
+    done = [(folder / f"runs.json.rank{r}.done") for r in range(world)]
     finished = all(p.exists() and len(p.read_text().split()) == len(runs) for p in done)
     if not finished:  # a run failed (a teardown abort after every run finished is tolerated)
         raise AssertionError(f"{script.name} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n"
