@@ -123,11 +123,20 @@ def _qwen3_moe(experts: int = 4):
 
 def train_hf_expert_parallel(group, stage: int, ep: int, road: str = "api", steps: int = 3) -> dict:
     """transformers' Qwen3-MoE with its fused experts split by ``expert_parallelize`` (``road`` "api")
-    or by the config's ``expert_parallel`` block ("config", DeepSpeed's AutoEP keys), against the
-    same model on one process."""
+    or by the config's ``expert_parallel`` block ("config", DeepSpeed's AutoEP keys; "init": the model
+    built in ``zero.Init`` first), against the same model on one process."""
     from zerodp.parallel.expert_hf import expert_parallelize, local_expert_range
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    model = _qwen3_moe()
+    if road == "init":  # built in zero.Init, given the reference's values as a checkpoint load would
+        from zerodp.core.init_shards import gathered
+        with zerodp.zero.Init(data_parallel_group=group):
+            model = _qwen3_moe()
+        values = dict(_qwen3_moe().named_parameters())
+        for n, p in model.named_parameters():
+            with gathered([p], 0), torch.no_grad():
+                p.copy_(values[n])
+    else:
+        model = _qwen3_moe()
     cfg = {"train_micro_batch_size_per_gpu": BATCH, "steps_per_print": 10**9, "gradient_clipping": 1.0,
            "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 1}}

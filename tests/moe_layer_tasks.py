@@ -29,7 +29,7 @@ class Net(nn.Module):
     """DeepSpeed's CIFAR example's shape: a dense layer, the MoE layer, a classifier; the loss adds
     the gate's auxiliary loss."""
 
-    def __init__(self, ep: int, gate: str) -> None:
+    def __init__(self, ep: int, gate: str, perturb: bool = True) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.fc = nn.Linear(6, HIDDEN)
@@ -39,7 +39,7 @@ class Net(nn.Module):
         local = self.moe.num_local_experts
         first = (dist.get_rank() % ep) * local
         with torch.no_grad():  # the copies apart, by global expert index
-            for i, e in enumerate(self.moe.deepspeed_moe.experts.deepspeed_experts):
+            for i, e in enumerate(self.moe.deepspeed_moe.experts.deepspeed_experts if perturb else ()):
                 for p in e.parameters():
                     p.add_(0.02 * (first + i + 1))
 
@@ -62,14 +62,18 @@ def _global_names(model: Net, ep: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def _train(group, stage: int, ep: int, gate: str, steps: int, param_groups: bool, deferred: bool) -> dict:
+def _train(group, stage: int, ep: int, gate: str, steps: int, param_groups: bool, deferred: bool,
+           init: bool = False, perturb: bool = True) -> dict:
     rank = dist.get_rank(group)
-    if deferred:  # made before torch.distributed is up: initialize joins the groups
+    if init:  # built in zero.Init: the expert's copies made from its gathered values
+        with zerodp.zero.Init(data_parallel_group=group):  # rank 0's values everywhere: copies left alike
+            model = Net(ep, gate, perturb=False)
+    elif deferred:  # made before torch.distributed is up: initialize joins the groups
         with mock.patch("torch.distributed.is_initialized", return_value=False):
             model = Net(ep, gate)
         assert ep == 1 or not hasattr(next(model.moe.deepspeed_moe.experts.parameters()), "_zerodp_expert_axes")
     else:
-        model = Net(ep, gate)
+        model = Net(ep, gate, perturb=perturb)
     params = (split_params_into_different_moe_groups_for_optimizer(
         {"params": list(model.parameters()), "name": "parameters"}) if param_groups else model.parameters())
     cfg = {"train_micro_batch_size_per_gpu": BATCH, "steps_per_print": 10**9, "gradient_clipping": 1.0,
@@ -94,6 +98,6 @@ def _train(group, stage: int, ep: int, gate: str, steps: int, param_groups: bool
 
 
 def train_against_ep1(group, stage: int, ep: int, gate: str, steps: int = 3, param_groups: bool = False,
-                      deferred: bool = False) -> dict:
-    return {"split": _train(group, stage, ep, gate, steps, param_groups, deferred),
-            "whole": _train(group, stage, 1, gate, steps, param_groups, False)}
+                      deferred: bool = False, init: bool = False) -> dict:
+    return {"split": _train(group, stage, ep, gate, steps, param_groups, deferred, init),
+            "whole": _train(group, stage, 1, gate, steps, param_groups, False, perturb=not init)}

@@ -67,12 +67,12 @@ def test_expert_parallel_refusals(pool):
 
 
 @pytest.mark.parametrize("stage,ep,road", [(1, 2, "api"), (3, 4, "api"), (2, 2, "config"), (3, 2, "config"),
-                                           (1, 4, "config")])
+                                           (1, 4, "config"), (3, 2, "init")])
 def test_transformers_fused_experts_split_train_as_one_process(pool, stage, ep, road):
     """transformers' Qwen3-MoE (fused 3-D experts, its own top-2 router) split by ``expert_parallelize``
-    or by the config's ``expert_parallel`` block (DeepSpeed's AutoEP keys): each rank holds E/ep
-    slices under the same names; losses, gradient norms and parameters equal one process holding
-    every expert."""
+    or by the config's ``expert_parallel`` block (DeepSpeed's AutoEP keys; "init": the model built in
+    ``zero.Init``, its experts' slices gathered to be split): each rank holds E/ep slices under the
+    same names; losses, gradient norms and parameters equal one process holding every expert."""
     pytest.importorskip("transformers")
     from expert_tasks import train_hf_expert_parallel
     results = pool.run(train_hf_expert_parallel, 4, stage, ep, road)

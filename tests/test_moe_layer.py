@@ -78,12 +78,14 @@ def test_moe_layer_refusals():
 
 @pytest.mark.parametrize("stage,ep,gate,extra", [
     (0, 2, "top2", {}), (1, 4, "top2", {"param_groups": True}), (2, 2, "top1", {}),
-    (3, 4, "top1-nodrop", {}), (3, 2, "top2", {"deferred": True}), (2, 4, "residual", {}), (1, 2, "top3", {})])
+    (3, 4, "top1-nodrop", {}), (3, 2, "top2", {"deferred": True}), (2, 4, "residual", {}), (1, 2, "top3", {}),
+    (3, 4, "top2", {"init": True})])
 def test_moe_layer_split_over_ranks_trains_as_with_every_expert_everywhere(pool, stage, ep, gate, extra):
     """4 ranks, ZeRO ``stage``: experts over groups of ``ep`` ranks against ``ep_size=1``, the same
     losses, clipped gradient norms and (whole, by global expert index) parameters within 1e-5.
     ``param_groups``: the optimizer groups of DeepSpeed's ``--moe-param-group``; ``deferred``: the
-    layer made before torch.distributed was up, its groups joined by ``initialize``."""
+    layer made before torch.distributed was up, its groups joined by ``initialize``; ``init``: made in
+    ``zero.Init`` (the expert's copies from its gathered values)."""
     from moe_layer_tasks import train_against_ep1
     results = pool.run(train_against_ep1, 4, stage, ep, gate, **extra)
     experts_seen = set()

@@ -271,11 +271,14 @@ class ZeroEngine(EngineAPI, CheckpointAPI, nn.Module):
         """Stage 3: keep only shards, make the units and their hooks, and give a model built
         on the meta device its values (``loaded``: the slices of those built in ``zero.Init``,
         by parameter id)."""
-        for p in loaded.values():
-            built_over = init_shard(p).comm.world_size
-            if built_over != self.comm.world_size:
+        # built over the data-parallel ranks, or over the ranks its group shards over (the slices of split
+        # experts: over the ranks holding those experts)
+        over = {id(p): self.shard_axes.comm(g.axis).world_size for g in self.flat_groups for p in g.params}
+        for pid, p in loaded.items():
+            built_over, shards_over = init_shard(p).comm.world_size, over.get(pid, self.comm.world_size)
+            if built_over not in (shards_over, self.comm.world_size):
                 raise ValueError(f"the model was built in zero.Init over {built_over} ranks, but the engine "
-                                 f"shards over {self.comm.world_size}; give Init and initialize the same group")
+                                 f"shards over {shards_over}; give Init and initialize the same group")
         for g in self.flat_groups:
             if not g.shards_parameters:
                 g.shard_parameters()

@@ -29,6 +29,7 @@ the expert parameters is ``expert.py``'s (the ``ep_size_N`` marks and the expert
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.collectives import Comm
+from ..core.init_shards import gathered, init_shard
 from .expert import _COMM_ATTR, ExpertParallelError, _AllToAllRows, initialize_expert_parallel, mark_expert_params
 
 NOISY_POLICIES = (None, "None", "Jitter", "RSample")
@@ -203,7 +205,12 @@ class Experts(nn.Module):
 
     def __init__(self, expert: nn.Module, num_local_experts: int = 1, expert_group_name: Optional[str] = None):
         super().__init__()
-        self.deepspeed_experts = nn.ModuleList([copy.deepcopy(expert) for _ in range(num_local_experts)])
+        params = list(expert.parameters())
+        built_in_init = [p for p in params if init_shard(p) is not None]
+        # built in zero.Init, the expert keeps slices: its values whole while copied (the copies are sliced
+        # again when this constructor returns)
+        with gathered(built_in_init, None) if built_in_init else contextlib.nullcontext():
+            self.deepspeed_experts = nn.ModuleList([copy.deepcopy(expert) for _ in range(num_local_experts)])
         self.num_local_experts = num_local_experts
         for p in self.deepspeed_experts.parameters():
             p.allreduce, p.group_name = False, expert_group_name

@@ -12,6 +12,7 @@ The exchanges are ``expert.py``'s; so is what ZeRO does with the expert paramete
 """
 from __future__ import annotations
 
+import contextlib
 import types
 import weakref
 from typing import Optional
@@ -19,6 +20,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ..core.init_shards import full_shape, gathered, init_shard, shard_in_place
 from .expert import _COMM_ATTR, ExpertParallelError, initialize_expert_parallel, mark_expert_params, route
 from .tensor import REPLACED_ATTR
 
@@ -29,8 +31,8 @@ def fused_experts_modules(model: nn.Module) -> list[nn.Module]:
     found = []
     for m in model.modules():
         n = getattr(m, "num_experts", None)
-        params = list(m.parameters(recurse=False))
-        if isinstance(n, int) and n > 1 and params and all(p.dim() == 3 and p.shape[0] == n for p in params):
+        shapes = [full_shape(p) for p in m.parameters(recurse=False)]  # built in zero.Init: its ds_shape
+        if isinstance(n, int) and n > 1 and shapes and all(len(s) == 3 and s[0] == n for s in shapes):
             found.append(m)
     return found
 
@@ -54,7 +56,10 @@ def expert_parallelize(model: nn.Module, ep_size: int) -> list[nn.Module]:
         per = n // ep_size
         lo = axes.expert.rank * per
         for name, p in list(m.named_parameters(recurse=False)):
-            local = nn.Parameter(p.detach()[lo:lo + per].clone(), requires_grad=p.requires_grad)
+            with gathered([p], None) if init_shard(p) is not None else contextlib.nullcontext():
+                local = nn.Parameter(p.detach()[lo:lo + per].clone(), requires_grad=p.requires_grad)
+            if init_shard(p) is not None:  # built in zero.Init: the slice kept as one, over the ranks holding it
+                shard_in_place(local, axes.expert_data.comm(label="expert_data"))
             m.register_parameter(name, local)
             # an optimizer built before initialize (the Trainer's) holds the whole one: it gets the slice
             m.__dict__.setdefault(REPLACED_ATTR, []).append((weakref.ref(p), local))
