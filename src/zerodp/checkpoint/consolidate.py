@@ -28,6 +28,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from ..core.axes import DATA
 from ..core.view import CheckpointView
 from .coord import Coordinator
 from .layout import persistent_buffers
@@ -239,14 +240,27 @@ def _stage_16bit_state_dict(view: CheckpointView, first: bool, exclude_frozen_pa
     aliases: dict[int, list[str]] = {}
     for name, p in view.module.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
+    experts = view.experts
     for g in view.flat_groups:
         if exclude_frozen_parameters and not g.trainable:
             continue
         gathered_here = g.shards_parameters and not g.gathered
         if gathered_here:
             view.shard_axes.gather(g)
+        names = [experts.names_on(t) for t in range(experts.ep_size)] if g.axis != DATA else None
         for i, (slot, p) in enumerate(zip(g.slots, g.params)):
             value = g.view(g.full, i).detach()
+            if names is not None:  # experts: every expert-parallel rank's, under the names of the unsplit model
+                parts = experts.comm.all_gather_list(value.contiguous())
+                if first and slot.tp is not None:
+                    whole = torch.empty(slot.tp.shape, dtype=value.dtype)
+                    for t, part in enumerate(parts):
+                        slot.tp.place(whole, part.cpu(), t)
+                    state[slot.name] = whole
+                elif first:
+                    for t, part in enumerate(parts):
+                        state[names[t].get(slot.name, slot.name)] = part.to("cpu", copy=True)
+                continue
             if slot.tp is not None:  # every tensor rank's slice, put in its place
                 slices = view.ranks.tensor_comm.all_gather_list(value)
                 if first:

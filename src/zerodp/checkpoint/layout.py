@@ -39,6 +39,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from ..core.axes import DATA
 from ..core.flat import FlatGroup, Piece
 from ..core.optim_shard import leaves_of, values_of
 from ..core.view import CheckpointView
@@ -144,7 +145,7 @@ class RankPlan:
                 continue
             if not g.counted_here:  # a weight tied across pipeline stages: its first stage writes it
                 continue
-            lo, hi = save_range(g, rank, world)
+            lo, hi = save_range(g, *self._axis_place(g))
             if lo >= hi:
                 continue
             pieces = g.pieces_in(lo, hi)
@@ -175,6 +176,14 @@ class RankPlan:
                                                     if k not in part.keys and v is not None}
                            for st in states]}
         self._add_unsharded()
+
+    def _axis_place(self, g: FlatGroup) -> tuple[int, int]:
+        """``(rank, world)`` of this rank on the axis ``g`` shards over: the data-parallel ranks, or for
+        expert parameters the ranks holding the same experts."""
+        if g.axis == DATA:
+            return self.dp_rank, self.dp_world
+        experts = self.view.experts
+        return experts.edp_rank, experts.edp_size
 
     def _collect_keys(self, part: _Part) -> None:
         for _piece, st in zip(part.pieces, part.states):
@@ -242,6 +251,9 @@ class RankPlan:
                 continue
             if not g.counted_here:
                 continue
+            if g.axis != DATA:
+                self._expert_skeleton(g, params)
+                continue
             value_dtype = torch.float32 if view.precision.keeps_master(g.dtype) and g.trainable else g.dtype
             for s in g.slots:
                 params[s.name] = {"shape": list(s.tp.shape if s.tp is not None else s.shape),
@@ -269,6 +281,7 @@ class RankPlan:
                 pc["piece"] = counters.get(k, 0)
                 counters[k] = pc["piece"] + 1
         order = [n for n, _ in view.module.named_parameters() if n in params or n in self.loose]
+        order += [n for n in params if n not in set(order)]  # other expert-parallel ranks' experts
         for name, p in self.loose.items():
             params[name] = {"shape": list(p.shape), "dtype": dtype_name(p.dtype), "param_group": None,
                             "state_keys": [], "scalars": None,
@@ -279,6 +292,31 @@ class RankPlan:
                             for n, b in self.buffers.items()},
                 "packed": {p: {n: {"shape": list(t.shape), "dtype": dtype_name(t.dtype), "rank": base}
                                for n, t in states.items()} for p, states in self.packed.items()}}
+
+    def _expert_skeleton(self, g: FlatGroup, params: dict[str, dict]) -> None:
+        """The index entries of an expert group: this rank's layout stands for every expert-parallel
+        rank's (their experts have the same shapes in the same order), under the names each rank's
+        experts have in the model without expert parallelism; slices of fused experts are placed as
+        tensor parallelism's are, with the expert-parallel rank as the slice's rank."""
+        experts = self.view.experts
+        value_dtype = torch.float32 if self.view.precision.keeps_master(g.dtype) and g.trainable else g.dtype
+        for t in range(experts.ep_size):
+            names = experts.names_on(t)
+            for r in range(experts.edp_size):
+                lo, hi = save_range(g, r, experts.edp_size)
+                for sp in g.pieces_in(lo, hi):
+                    s = g.slots[sp.slot]
+                    name = names.get(s.name, s.name)
+                    entry = params.setdefault(name, {
+                        "shape": list(s.tp.shape if s.tp is not None else s.shape), "dtype": dtype_name(value_dtype),
+                        "param_group": g.param_group if g.trainable else None, "state_keys": [], "scalars": None,
+                        "pieces": [], **({"tp": s.tp.as_dict()} if s.tp is not None else {})})
+                    piece = {"rank": experts.file_rank(r, t), "prefix": f"g{g.index}", "at": sp.shard_lo,
+                             "start": sp.param_lo, "stop": sp.param_lo + sp.shard_hi - sp.shard_lo,
+                             "group": g.index, "piece": None}
+                    if s.tp is not None:
+                        piece["tp"] = t
+                    entry["pieces"].append(piece)
 
     def index_skeleton(self, stages: Optional[list[dict]] = None) -> dict:
         """The index without what only the other ranks know (state keys, scalars, file records),

@@ -282,10 +282,12 @@ def _match_names(view: CheckpointView, src: Source, strict: bool) -> dict[str, s
     others: dict[str, list[str]] = {}
     for alias, canon in model_alias.items():
         others.setdefault(canon, []).append(alias)
+    experts = view.experts
+    own = experts.names_on(experts.ep_rank) if experts is not None else {}  # experts by their unsplit names
     mapping, missing, wrong = {}, [], []
     for n in names:
         found = None
-        for cand in [n, *others.get(n, [])]:
+        for cand in [own.get(n, n), *others.get(n, [])]:
             if cand in src.params:
                 found = cand
                 break
@@ -302,6 +304,8 @@ def _match_names(view: CheckpointView, src: Source, strict: bool) -> dict[str, s
     used = set(mapping.values())
     if view.ranks.pipe_size > 1:  # the other pipeline stages load the rest
         used = {n for stage in view.ranks.pipe_comm.all_gather_objects(sorted(used)) for n in stage}
+    if experts is not None:  # the other expert-parallel ranks load their experts
+        used = {n for rank in view.ranks.coord_comm.all_gather_objects(sorted(used)) for n in rank}
     unexpected = [n for n in src.params if n not in used]
     if wrong or (strict and (missing or unexpected)):
         parts = []

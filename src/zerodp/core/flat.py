@@ -81,7 +81,8 @@ class FlatGroup(GroupLayout):
         self._keep_secondary = False  # a gather over every rank in flight: keep the secondary part after
         self.release_pending = False  # a release came while held: done when the last hold ends
         if any(has_no_values(local_tensor(p)) for p in self.params):
-            if self.tp_split or any(is_dtensor(p) for p in self.params):
+            if (self.tp_split and axis == "data") or any(is_dtensor(p) for p in self.params):  # (experts' slices:
+                # their own axis, built in zero.Init)
                 raise ValueError("a tensor-parallel model cannot be on the meta device: build it with values "
                                  "(zero.Init or a meta-device model is for data parallelism alone)")
             self._adopt_meta_params()

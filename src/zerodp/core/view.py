@@ -18,7 +18,7 @@ engine imports ``checkpoint/`` to save and load, and ``checkpoint/`` imports thi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .layout import Layout
 from .optim_shard import HostOptimizer
@@ -32,6 +32,27 @@ if TYPE_CHECKING:
     from .collectives import Comm
     from .flat import FlatGroup
     from .precision import LossScaler, PrecisionPolicy
+
+
+@dataclass(frozen=True)
+class ExpertRanks:
+    """This rank among expert-parallel ranks (``CheckpointView.experts``): rank ``ep_rank`` of an
+    expert-parallel group of ``ep_size`` consecutive ranks, rank ``edp_rank`` of the ``edp_size``
+    ranks holding the same experts (the shard axis of expert parameters); ``names_on(t)`` maps this
+    rank's expert parameter names to the names the same places have on expert-parallel rank ``t``
+    in the model without expert parallelism (its own ones for ``t = ep_rank``); ``comm`` gathers over
+    the expert-parallel group."""
+
+    ep_size: int
+    ep_rank: int
+    edp_rank: int
+    edp_size: int
+    names_on: "Callable[[int], dict[str, str]]"
+    comm: "Comm"
+
+    def file_rank(self, edp_rank: int, ep_rank: int) -> int:
+        """The rank (and checkpoint file) of expert-data rank ``edp_rank`` in expert-parallel rank ``ep_rank``."""
+        return edp_rank * self.ep_size + ep_rank
 
 
 @dataclass(frozen=True)
@@ -155,6 +176,16 @@ class CheckpointView:
     def shard_axes(self) -> "ShardAxes":
         """The collectives of the axes the flat groups shard over (each group's ``axis``, ``axes.py``)."""
         return self._engine.shard_axes
+
+    @property
+    def experts(self) -> "Optional[ExpertRanks]":
+        """Where this rank stands among expert-parallel ranks, or None without expert parallelism."""
+        handle = next((p for p in self._engine.parallelisms if p.name == "expert"), None)
+        if handle is None:
+            return None
+        axes, module = handle.axes, self.module
+        return ExpertRanks(axes.size, axes.expert.rank, axes.expert_data.rank, axes.expert_data.size,
+                           lambda ep_rank: handle.names_on(module, ep_rank), handle.expert_comm)
 
     @property
     def ranks(self) -> "CheckpointRanks":

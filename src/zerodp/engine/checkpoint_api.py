@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..core.axes import DATA
 from ..core.packed import undo_cpu_repacking
 from ..core.param_api import GatheredParameters
 from ..core.view import CheckpointView
@@ -19,14 +18,6 @@ class CheckpointAPI:
         """What checkpoints read and write of this engine (``core/view.py``): ``checkpoint/``
         is given this view, never the engine."""
         return CheckpointView(self)
-
-    def _refuse_other_axes(self, verb: str) -> None:
-        """Checkpoints read and write flat groups over the data axis; groups on another shard axis
-        (expert parameters under expert parallelism) are not written yet: refused, not half-saved."""
-        axes = sorted({g.axis for g in self.flat_groups} - {DATA})
-        if axes:
-            raise NotImplementedError(f"{verb}: the model has parameters sharded over the {', '.join(axes)} axis "
-                                      "(expert parallelism), which checkpoints do not handle yet")
 
     def _parameters_as_saved(self) -> None:
         """Before a save reads the parameters: data a module assigned to one (``p.data = t``) is in
@@ -46,7 +37,6 @@ class CheckpointAPI:
         ``load_checkpoint``. ``async_save`` (default: the config's ``checkpoint.async_save``)
         returns once a host copy is staged and writes in the background. Every rank must call
         it. See ``zerodp/checkpoint/save.py``."""
-        self._refuse_other_axes("save_checkpoint")
         if self._checkpointer is None:
             from ..checkpoint.save import Checkpointer
             self._checkpointer = Checkpointer(self.checkpoint_view())
@@ -63,7 +53,6 @@ class CheckpointAPI:
         """Load ``load_dir/tag`` (default: the tag ``load_dir/latest`` names), written by zerodp
         at any world size and stage or by DeepSpeed; returns ``(path, client_state)``, or
         ``(None, None)`` when there is no ``latest`` to follow. Every rank must call it."""
-        self._refuse_other_axes("load_checkpoint")
         self.wait_for_checkpoint()
         from ..checkpoint import load_checkpoint
         with self.health.phase("load_checkpoint", str(load_dir)):
@@ -83,7 +72,6 @@ class CheckpointAPI:
         ``save_dir/save_filename`` from rank 0: safetensors for a ``.safetensors`` name,
         otherwise ``torch.save`` of the state dict. Every rank must call it."""
         from ..checkpoint.consolidate import save_16bit_model
-        self._refuse_other_axes("save_16bit_model")
         self._parameters_as_saved()
         return save_16bit_model(self.checkpoint_view(), save_dir, save_filename, exclude_frozen_parameters)
 
@@ -97,7 +85,6 @@ class CheckpointAPI:
         others), gathered group by group (DeepSpeed's name; Accelerate calls it to save a
         stage-3 model). Every rank must call it."""
         from ..checkpoint.consolidate import consolidated_16bit_state_dict
-        self._refuse_other_axes("consolidated_16bit_state_dict")
         self._parameters_as_saved()
         return consolidated_16bit_state_dict(self.checkpoint_view(), exclude_frozen_parameters)
 
@@ -105,7 +92,7 @@ class CheckpointAPI:
         """DeepSpeed's name for the same, where parameters are split (stage 3 or tensor parallelism;
         Accelerate calls it to save a model split by AutoTP); refused otherwise, as DeepSpeed does.
         Every rank must call it."""
-        if not (self.policy.shard_parameters or self.grid.tp_size > 1):
-            raise ValueError("consolidated_16bit_state_dict is for split weights (stage 3 or tensor "
+        if not (self.policy.shard_parameters or self.grid.tp_size > 1 or self.checkpoint_view().experts):
+            raise ValueError("consolidated_16bit_state_dict is for split weights (stage 3, tensor or expert "
                              "parallelism); here every rank holds the whole model: use module.state_dict()")
         return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)

@@ -214,12 +214,47 @@ class ExpertParallel(Parallelism):
             counter.kinds = (*counter.kinds, "all_to_all")
         self.axes = _AXES[sizes[0]]
         self.comm = self.axes.expert_data.comm(counter, EXPERT_DATA)
+        self.expert_comm = self.axes.expert.comm(counter, "expert")  # whole-model saves gather experts over it
         for m in expert_parallel_layers(model):  # the token exchanges count with the engine's bytes
             comm = self.axes.expert.comm(counter, "expert")
             m.set_comm(comm) if hasattr(m, "set_comm") else setattr(m, "comm", comm)
 
     def shard_axes(self) -> dict[str, Comm]:
         return {EXPERT_DATA: self.comm}
+
+    def placement(self, model: nn.Module) -> dict:
+        """The slices of transformers' fused experts (``expert_hf.py``): expert-parallel rank ``t``
+        holds slice ``t`` of ``ep`` along the experts' dimension, which checkpoints write and read as
+        tensor parallelism's slices (``TPSlice``), so they load at any expert-parallel size."""
+        from .tensor import TPSlice
+        out = {}
+        for m in expert_parallel_layers(model):
+            total = getattr(m, "global_num_experts", None)
+            if total is None:
+                continue
+            for p in m.parameters(recurse=False):
+                out[id(p)] = TPSlice(0, self.axes.size, self.axes.expert.rank, (total, *p.shape[1:]))
+        return out
+
+    def names_on(self, model: nn.Module, ep_rank: int) -> dict[str, str]:
+        """This rank's expert parameter names -> the names the same places have on expert-parallel rank
+        ``ep_rank`` in the model without expert parallelism (what checkpoints call them): DeepSpeed's
+        MoE layer numbers a rank's experts from 0 (``deepspeed_experts.{i}``: global ``ep_rank *
+        local + i``), ``ExpertParallelMoE`` by global index; fused experts keep one name (their
+        slices are placed by :meth:`placement`)."""
+        out = {}
+        for prefix, m in model.named_modules():
+            pre = f"{prefix}." if prefix else ""
+            if isinstance(getattr(m, "deepspeed_experts", None), nn.ModuleList):  # expert_capacity.Experts
+                for i, e in enumerate(m.deepspeed_experts):
+                    for name, _ in e.named_parameters():
+                        out[f"{pre}deepspeed_experts.{i}.{name}"] = \
+                            f"{pre}deepspeed_experts.{ep_rank * m.num_local_experts + i}.{name}"
+            elif isinstance(m, ExpertParallelMoE) and m.axes is not None:
+                for j, e in enumerate(m.local):
+                    for name, _ in m.experts[str(e)].named_parameters():
+                        out[f"{pre}experts.{e}.{name}"] = f"{pre}experts.{ep_rank * m.per_rank + j}.{name}"
+        return out
 
     def shard_axis_of(self, model: nn.Module) -> dict[int, str]:
         return {id(p): EXPERT_DATA for p in expert_parallel_params(model)}
