@@ -173,3 +173,25 @@ def test_a_failed_simulation_ends_its_process_group(llama):
     assert out.returncode == 0, out.stderr[-2000:]
     raised, after, states = json.loads(out.stdout.strip().splitlines()[-1])
     assert raised and not after and states > 0
+
+
+QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 128,
+             "intermediate_size": 256, "moe_intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "head_dim": 32, "num_hidden_layers": 2, "num_experts": 8, "num_experts_per_tok": 2, "vocab_size": 512,
+             "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+
+
+def test_expert_parallel_ranks_hold_and_gather_their_experts_only(tmp_path):
+    """Qwen3-MoE (8 experts) at stage 3 on 8 ranks: with the experts over groups of 4, the model
+    states per rank stay (ZeRO shards either way), the rank gathers a quarter of the experts, so the
+    bytes it sends and its peak shrink, and its tokens go to their experts by all-to-all."""
+    pytest.importorskip("transformers")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(QWEN3_MOE))
+    one, four = _run([{"model": str(path), "world": 8, "stage": 3, "seq": 32, "precision": "fp32", "ep": ep}
+                      for ep in (1, 4)])
+    assert four["ep"] == 4 and abs(four["model_states"] - one["model_states"]) <= 0.01 * one["model_states"]
+    assert four["bytes_per_step"] < 0.5 * one["bytes_per_step"], (one["bytes_per_step"], four["bytes_per_step"])
+    assert four["peak"] < 0.75 * one["peak"], (one["peak"], four["peak"])
+    assert four["collectives"]["expert"]["all_to_all"] > 0 and "expert" not in one["collectives"]
+    assert four["collectives"]["data"]["calls"] == one["collectives"]["data"]["calls"]  # the dense ones

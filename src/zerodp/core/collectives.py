@@ -456,7 +456,9 @@ class Comm:
         else:
             device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else None
             mine = torch.tensor(values, dtype=torch.int64, device=device)
-            out = torch.empty(self.world_size, mine.numel(), dtype=torch.int64, device=device)
+            # rows start as this rank's values: what a fake process group (zerodp simulate) leaves there,
+            # as if every rank had this one's
+            out = mine.expand(self.world_size, -1).clone()
             self.counter.add("control", mine.numel() * 8 * (self.world_size - 1), self.label)
             work = dist.all_gather(list(out.unbind(0)), mine, group=self.group, async_op=True)
             kind = what or f"an all_gather of ints on the {self.label} group"
@@ -507,6 +509,8 @@ class Comm:
         out = x.new_empty((sum(recv_rows), *x.shape[1:]))
         row = math.prod(x.shape[1:]) * x.element_size()
         self.counter.add("all_to_all", row * (sum(send_rows) - send_rows[self.rank]), self.label)
+        if self.backend == "fake":  # zerodp simulate: nothing moves (its checks would refuse sizes that differ)
+            return out
         work = dist.all_to_all_single(out, x, output_split_sizes=list(recv_rows), input_split_sizes=list(send_rows),
                                       group=self.group, async_op=True)
         self._finish(self._handle([work], None, f"all_to_all of {what}" if what else "all_to_all"), False)

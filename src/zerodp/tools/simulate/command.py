@@ -29,6 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "data x tensor ranks (docs/estimate.md)")
     add("--sp", type=int, default=1, help="Ulysses sequence parallelism: groups of N ranks share each sequence, "
         "the rank runs seq/N tokens (a transformers config; default 1)")
+    add("--ep", type=int, default=1, help="expert parallelism: groups of N ranks each hold experts/N experts of "
+        "every layer, whole (a transformers MoE config; every rank routes as the simulated one; default 1)")
     add("--precision", default="bf16", choices=list(PRECISIONS), help="default bf16")
     add("--offload", default="none", choices=list(OFFLOADS), help="what moves to CPU memory (default none)")
     add("--micro-batch", type=int, default=1, help="sequences per micro-batch (default 1)")
@@ -58,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
             warnings.simplefilter("ignore", FutureWarning)
             sim = simulate(args.model, world=args.world, rank=args.rank, stage=args.stage, tp=args.tp, pp=args.pp,
                            precision=args.precision, offload=args.offload, micro_batch=args.micro_batch,
-                           seq=args.seq, steps=args.steps, model_kwargs=kwargs, config=config, sp=args.sp,
+                           seq=args.seq, steps=args.steps, model_kwargs=kwargs, config=config, sp=args.sp, ep=args.ep,
                            progress=progress)
     except EstimateError as e:
         launch.error(f"--{e.name.replace('_', '-')}: {e.detail}", "simulate")

@@ -33,7 +33,8 @@ def format_simulation(s: Simulation) -> str:
     d = s.to_dict()
     lines = [f"zerodp simulate: rank {s.rank} of {s.world} (data {s.dp} x tensor {s.tp} x pipeline {s.pp}), "
              f"stage {s.stage}, {s.precision}, offload {s.offload}, micro-batch {s.micro_batch} x {s.seq} tokens"
-             + (f" ({s.seq // s.sp} on this rank, sequence-parallel {s.sp})" if s.sp > 1 else ""),
+             + (f" ({s.seq // s.sp} on this rank, sequence-parallel {s.sp})" if s.sp > 1 else "")
+             + (f", experts over expert-parallel groups of {s.ep}" if s.ep > 1 else ""),
              f"model: {s.model}: {_num(s.params)} parameter elements on this rank before ZeRO sharding",
              "",
              f"{'MiB per rank':<28}{'simulated':>14}{'estimated':>14}{'diff':>9}"]

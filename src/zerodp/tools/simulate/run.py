@@ -57,6 +57,8 @@ class Simulation:
     p2p_bytes: int = 0
     sp: int = 1
     """Ulysses sequence-parallel size: the rank ran ``seq / sp`` tokens of each sequence."""
+    ep: int = 1
+    """Expert-parallel size: the rank held ``E / ep`` experts of each layer, whole."""
     """Bytes this rank's pipeline stage sends point to point per step (computed: activations
     forward, their gradients back), in ``bytes_per_step`` too."""
 
@@ -92,7 +94,7 @@ def _fake_world(world: int, rank: int) -> None:
 
 
 def _config(stage: int, tp: int, precision: str, offload: str, micro_batch: int, accumulation: int,
-            base: Optional[dict], sp: int = 1) -> dict:
+            base: Optional[dict], sp: int = 1, ep: int = 1) -> dict:
     cfg = dict(base or {})
     cfg["train_micro_batch_size_per_gpu"] = micro_batch
     cfg.pop("train_batch_size", None)
@@ -111,6 +113,8 @@ def _config(stage: int, tp: int, precision: str, offload: str, micro_batch: int,
         cfg["tensor_parallel"] = {**(cfg.get("tensor_parallel") or {}), "autotp_size": tp}
     if sp > 1:
         cfg["sequence_parallel_size"] = sp
+    if ep > 1:
+        cfg["expert_parallel"] = {**(cfg.get("expert_parallel") or {}), "enabled": True, "autoep_size": ep}
     return cfg
 
 
@@ -159,13 +163,16 @@ def _step(engine, model: nn.Module, batch: tuple) -> None:
 def simulate(model: str, *, world: int, stage: int, rank: int = 0, tp: int = 1, pp: int = 1,
              precision: str = "bf16", offload: str = "none", micro_batch: int = 1, seq: int = 128,
              model_kwargs: Optional[dict] = None, config: Optional[dict] = None, steps: int = 2,
-             accumulation: Optional[int] = None, sp: int = 1,
+             accumulation: Optional[int] = None, sp: int = 1, ep: int = 1,
              progress: Optional[Callable[[str], None]] = None) -> Simulation:
     """Run ``steps`` optimizer steps of ``model`` as rank ``rank`` of ``world`` over a fake process
     group (in this process, which must not have started one; it is ended again, also on an error)
     and measure the last; see the package docstring. ``sp``: Ulysses sequence parallelism (a
     transformers model, its attention wrapped as DeepSpeed's ``UlyssesSPAttentionHF`` wraps it):
-    the rank runs ``seq / sp`` tokens of each sequence."""
+    the rank runs ``seq / sp`` tokens of each sequence. ``ep``: expert parallelism (a transformers MoE
+    model, split as the config's ``expert_parallel`` block splits it): the rank holds ``E / ep``
+    experts of each layer; over the fake group every rank routes as this one does, so this rank's
+    experts get ``ep`` times the tokens this rank routes to them."""
     say = progress or (lambda _m: None)
     if precision not in PRECISIONS:
         raise EstimateError("precision", f"{precision!r}; allowed: {', '.join(PRECISIONS)}")
@@ -183,10 +190,13 @@ def simulate(model: str, *, world: int, stage: int, rank: int = 0, tp: int = 1, 
         raise EstimateError("tp", f"tensor {tp} x pipeline {pp} does not divide the {world} ranks")
     if sp > 1 and seq % sp:
         raise EstimateError("seq", f"{seq} tokens do not split over the {sp} sequence-parallel ranks")
+    if ep > 1 and (world % ep or tp > 1 or pp > 1 or sp > 1):
+        raise EstimateError("ep", f"expert parallelism over {ep} ranks needs a world it divides ({world}) and no "
+                                  "tensor, pipeline or sequence parallelism beside it")
     spec = ModelSpec(model, model_kwargs)
     hpz = int(((config or {}).get("zero_optimization") or {}).get("zero_hpz_partition_size", 1) or 1)
     est = estimate(model, model_kwargs=model_kwargs, ranks_per_node=world, precision=precision, tp=tp, pp=pp,
-                   micro_batch=micro_batch, seq_len=seq, hpz=hpz if stage == 3 else None, sp=sp)
+                   micro_batch=micro_batch, seq_len=seq, hpz=hpz if stage == 3 else None, sp=sp, ep=ep)
     row = est.row(stage, offload)
     import zerodp
 
@@ -210,7 +220,7 @@ def simulate(model: str, *, world: int, stage: int, rank: int = 0, tp: int = 1, 
     try:
         dev = devices.default_device()
         accumulation = accumulation or max(pp, int((config or {}).get("gradient_accumulation_steps", 1)))
-        cfg = _config(stage, tp, precision, offload, micro_batch, accumulation, config, sp)
+        cfg = _config(stage, tp, precision, offload, micro_batch, accumulation, config, sp, ep)
         where = f" (pipeline stage {pipe_stage} of {pp})" if pp > 1 else ""
         say(f"building rank {rank} of {world}'s model{where}")
         t0 = time.perf_counter()
@@ -257,13 +267,16 @@ def simulate(model: str, *, world: int, stage: int, rank: int = 0, tp: int = 1, 
                          f"{accumulation} micro-batches; point-to-point bytes computed, not simulated")
         sim = Simulation(model, world, rank, stage, tp, pp, world // (tp * pp), precision, offload, micro_batch, seq,
                          params, categories, meter.peak, meter.start, stats, estimated, seconds,
-                         device_peak(dev), notes, pipe_stage, p2p, sp)
+                         device_peak(dev), notes, pipe_stage, p2p, sp, ep)
         engine.destroy()
     finally:
         if sp > 1:
             from ...parallel import sequence, sequence_hf
             sequence_hf.unregister_from_transformers()
             sequence.forget_sequence_axis()
+        if ep > 1:
+            from ...parallel.expert import forget_expert_axes
+            forget_expert_axes()
         dist.destroy_process_group()
     gc.collect()
     return sim
