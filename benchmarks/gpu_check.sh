@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks, in one script, on a machine with one CUDA GPU (about 8 minutes on an H100):
 #
-#   bash benchmarks/gpu_check.sh [setup] [tests] [sanitizer] [bench] [largest] [sequence]   # default: all
+#   bash benchmarks/gpu_check.sh [setup] [tests] [sanitizer] [bench] [largest] [sequence] [experts]   # default: all
 #
 #   setup      install zerodp (editable, no network: its dependencies must be there already, or
 #              lie as wheels in .whl/ at the repository root, which this installs first)
@@ -11,10 +11,13 @@
 #   largest    the largest Llama that trains a step with optimizer and parameters in host memory
 #   sequence   benchmarks/sequence.py on one GPU: the longest sequence Llama-3.2-1B's shapes train in
 #              40 GiB added, stock, and with the tiled MLP and loss, checkpointing and activation offload
+#   experts    zerodp simulate on the GPU: one rank of 8 training a 4-layer Qwen3-30B-A3B-shaped MoE
+#              (128 experts, top-8) at stage 3, bf16, 2048 tokens, with experts over 1, 2, 4, 8 ranks:
+#              the rank's peak device memory and the bytes it sends per step
 #
 # Logs go to $OUT (or ./gpu_check_out): tests.log, sanitizer.log, bench.log, and JSON/XML beside.
 # Each phase's time limit in seconds can be set: T_TESTS (300), T_SANITIZER (150), T_BENCH (170),
-# T_LARGEST (260), T_SEQUENCE (240); the benchmarks' own budgets are 10 s less.
+# T_LARGEST (260), T_SEQUENCE (240), T_EXPERTS (150); the benchmarks' own budgets are 10 s less.
 #
 # A machine without pydantic (a CUDA image with torch, transformers, peft, accelerate and Lightning,
 # and no network) needs its wheels in .whl/, fetched where the network is, for that machine's Python
@@ -30,7 +33,7 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_check_out}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
-PHASES="${*:-setup tests sanitizer bench largest sequence}"
+PHASES="${*:-setup tests sanitizer bench largest sequence experts}"
 has() { case " $PHASES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 stamp() { echo "== $(date +%T) $*"; }
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -87,6 +90,33 @@ if has sequence; then
   T=${T_SEQUENCE:-240}; timeout "$T" "$PY" benchmarks/sequence.py --device cuda --preset 1b --sps 1 \
       --variants plain tiled+ckpt tiled+ckpt+offload --budget-mib 40960 --start 8192 --max-length 262144 \
       --timeout 60 2>&1 | tee "$OUT/sequence.log" | tail -12
+fi
+
+if has experts; then
+  stamp "experts: one rank of 8, a Qwen3-30B-A3B-shaped MoE at stage 3, experts over 1, 2, 4 and 8 ranks"
+  cat > "$OUT/qwen3moe_4l.json" <<'JSON'
+{"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
+ "moe_intermediate_size": 768, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+ "num_hidden_layers": 4, "num_experts": 128, "num_experts_per_tok": 8, "vocab_size": 151936,
+ "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "tie_word_embeddings": false, "norm_topk_prob": true}
+JSON
+  T=${T_EXPERTS:-150}
+  for ep in 1 2 4 8; do
+    timeout $((T / 4)) "$PY" -m zerodp.tools.cli simulate --model "$OUT/qwen3moe_4l.json" --world 8 --stage 3 \
+        --seq 2048 --precision bf16 --ep $ep --json > "$OUT/experts_ep$ep.json" 2>> "$OUT/experts.log" || status=1
+  done
+  "$PY" - "$OUT" <<'PYEOF' | tee -a "$OUT/experts.log"
+import json, sys
+print(f"{'ep':>3} {'peak GiB':>9} {'states GiB':>11} {'sent GiB/step':>14} {'all-to-all GiB':>15} {'s':>6}")
+for ep in (1, 2, 4, 8):
+    try:
+        r = json.load(open(f"{sys.argv[1]}/experts_ep{ep}.json"))
+    except (OSError, ValueError):
+        print(f"{ep:>3} failed"); continue
+    a2a = r["collectives"].get("expert", {}).get("all_to_all", 0)
+    print(f"{ep:>3} {r['peak'] / 2**30:>9.2f} {r['model_states'] / 2**30:>11.2f} {r['bytes_per_step'] / 2**30:>14.2f} "
+          f"{a2a / 2**30:>15.3f} {r['seconds']:>6.1f}")
+PYEOF
 fi
 
 stamp "done (status $status)"
