@@ -107,6 +107,15 @@ def refusals(group) -> dict:
     return out
 
 
+def _mixtral(experts: int = 4):
+    from transformers import MixtralConfig, MixtralForCausalLM
+    torch.manual_seed(0)
+    cfg = MixtralConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=8, num_hidden_layers=2,
+                        num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_local_experts=experts,
+                        num_experts_per_tok=2, max_position_embeddings=32, attn_implementation="sdpa")
+    return MixtralForCausalLM(cfg)
+
+
 def _qwen3_moe(experts: int = 4):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
     torch.manual_seed(0)
@@ -117,32 +126,39 @@ def _qwen3_moe(experts: int = 4):
     return Qwen3MoeForCausalLM(cfg)
 
 
-def train_hf_expert_parallel(group, stage: int, ep: int, road: str = "api", steps: int = 3) -> dict:
+def train_hf_expert_parallel(group, stage: int, ep: int, road: str = "api", steps: int = 3,
+                             kind: str = "qwen3") -> dict:
     """transformers' Qwen3-MoE with its fused experts split by ``expert_parallelize`` (``road`` "api")
     or by the config's ``expert_parallel`` block ("config", DeepSpeed's AutoEP keys; "init": the model
     built in ``zero.Init`` first), against the same model on one process."""
     from zerodp.parallel.expert_hf import expert_parallelize, local_expert_range
     world, rank = dist.get_world_size(group), dist.get_rank(group)
+    build = _mixtral if kind == "mixtral" else _qwen3_moe
     if road == "init":  # built in zero.Init, given the reference's values as a checkpoint load would
         from zerodp.core.init_shards import gathered
         with zerodp.zero.Init(data_parallel_group=group):
-            model = _qwen3_moe()
-        values = dict(_qwen3_moe().named_parameters())
+            model = build()
+        values = dict(build().named_parameters())
         for n, p in model.named_parameters():
             with gathered([p], 0), torch.no_grad():
                 p.copy_(values[n])
     else:
-        model = _qwen3_moe()
+        model = build()
     cfg = {"train_micro_batch_size_per_gpu": BATCH, "steps_per_print": 10**9, "gradient_clipping": 1.0,
            "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 1}}
     if road == "api":
         expert_parallelize(model, ep)
     else:
-        cfg["expert_parallel"] = {"enabled": True, "autoep_size": ep, "preset_model": "qwen3_moe", "top_k": 2}
+        cfg["expert_parallel"] = {"enabled": True, "autoep_size": ep, "top_k": 2,
+                                  "preset_model": "mixtral" if kind == "mixtral" else "qwen3_moe"}
     engine, _, _, _ = zerodp.initialize(model=model, config=cfg, process_group=group)
     split = [r for m in engine.module.modules() if (r := local_expert_range(m)) is not None]
-    ref = _qwen3_moe()
+    chosen = []  # the experts this rank's tokens chose, per layer and step
+    for m in engine.module.modules():
+        if local_expert_range(m) is not None or (ep == 1 and hasattr(m, "gate_up_proj")):
+            m.register_forward_pre_hook(lambda mod, args: chosen.append(sorted(set(args[1].flatten().tolist()))))
+    ref = build()
     opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     losses, norms, ref_losses, ref_norms = [], [], [], []
     for batch in _batches(steps, world):
@@ -166,7 +182,7 @@ def train_hf_expert_parallel(group, stage: int, ep: int, road: str = "api", step
         want[n] = p.detach()[experts.start:experts.stop].clone() if ".mlp.experts." in n else p.detach().clone()
     engine.destroy()
     return {"losses": losses, "ref_losses": ref_losses, "norms": norms, "ref_norms": ref_norms,
-            "params": mine, "ref_params": want, "experts": list(experts)}
+            "params": mine, "ref_params": want, "experts": list(experts), "chosen": chosen}
 
 
 def autoep_refusals(group) -> dict:
