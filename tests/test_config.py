@@ -62,7 +62,7 @@ def test_defaults():
     assert isinstance(cfg, Config)
     assert cfg.zero_optimization.stage == 0
     assert cfg.zero_optimization.reduce_bucket_size == 500_000_000
-    assert cfg.gradient_clipping == 0.0
+    assert cfg.gradient_clipping == 1.0  # DeepSpeed 0.19's (constants.GRADIENT_CLIPPING_DEFAULT)
     assert cfg.steps_per_print == 10
     assert cfg.optimizer is None and cfg.scheduler is None
     assert cfg.train_batch_size is None
@@ -376,12 +376,18 @@ def test_stage3_keys_stored():
     assert zero.stage3_gather_16bit_weights_on_model_save is True
 
 
+def test_defaults_that_change_numbers_are_deepspeeds():
+    """Where the installed DeepSpeed states a default that changes the numbers, zerodp's is the same."""
+    constants = pytest.importorskip("deepspeed.runtime.constants")
+    assert load_quietly().gradient_clipping == constants.GRADIENT_CLIPPING_DEFAULT
+
+
 def test_describe_fields():
     rows = describe_fields()
     keys = {key: (default, doc) for key, default, doc in rows}
     assert keys["zero_optimization.stage"][0] == "0"
     assert keys["zero_optimization.reduce_bucket_size"][0] == "500000000"
-    assert keys["gradient_clipping"][0] == "0.0"
+    assert keys["gradient_clipping"][0] == "1.0"
     assert "scheduler.type" in keys and "train_batch_size" in keys
     assert all(doc for _, _, doc in rows)
 

@@ -32,14 +32,18 @@ RUNS = {
     "z1-ep4-top1": (1, TOP1 + ["--ep-world-size", "4"], "z0-ep2-top1"),
     "z0-ep2-top2": (0, TOP2 + ["--ep-world-size", "2"], "z3-ep4-top2"),
     "z3-ep4-top2": (3, TOP2 + ["--ep-world-size", "4"], "z0-ep2-top2"),
+    "plain-z1": (1, ["--top-k", "1"], "plain-z1"),  # the CNN alone, its config without gradient_clipping
 }
-DEEPSPEED_RUNS = ("z0-ep2-top1", "z2-ep2-top1")
+DEEPSPEED_RUNS = ("z0-ep2-top1", "z2-ep2-top1", "plain-z1")
 
 
-def _config(stage: int) -> dict:
-    # clipping off: DeepSpeed 0.19 clips at 1.0 when the key is absent, and with MoE layers its norm
-    # averages the ranks' expert-gradient norms instead of adding their squares (zerodp's is the
-    # global norm of one process)
+def _config(stage: int, name: str) -> dict:
+    if name.startswith("plain"):  # no MoE, no gradient_clipping: both clip at the default, 1.0
+        return {"train_batch_size": MICRO * WORLD, "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000,
+                "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
+                "zero_optimization": {"stage": stage}}
+    # with MoE layers, clipping off: DeepSpeed's norm then averages the ranks' expert-gradient norms
+    # instead of adding their squares (zerodp's is the global norm of one process)
     return {"train_batch_size": MICRO * WORLD, "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000,
             "gradient_clipping": 0.0,
             "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
@@ -51,7 +55,7 @@ def _run(script, folder, names, **env) -> dict:
     for name in names:
         stage, flags, _ = RUNS[name]
         cfg = folder / f"{name}.json"
-        cfg.write_text(json.dumps(_config(stage)))
+        cfg.write_text(json.dumps(_config(stage, name)))
         runs.append(["--deepspeed_config", str(cfg), "--epochs", "1", *flags, "--out", str(folder / f"{name}.out")])
     launch(script, runs, folder, world=WORLD, **env)
     return {n: json.loads((folder / f"{n}.out").read_text()) for n in names}
@@ -76,3 +80,5 @@ def test_cifar_moe_flags_give_deepspeeds_losses(moe_runs):
         assert all(math.isclose(x, y, rel_tol=1e-5) for x, y in zip(a, b)), (name, reference, a, b)
         assert got[name]["accuracy"] > 0.2, name  # 10 classes: chance is 0.1
     assert not math.isclose(got["z0-ep2-top1"]["losses"][-1], got["z0-ep2-top2"]["losses"][-1], rel_tol=1e-3)
+    # the plain CNN's gradient norm passes 1.0 in its last steps: both clipped it, by default
+    assert got["plain-z1"]["losses"] == pytest.approx(want["plain-z1"]["losses"], rel=1e-5)

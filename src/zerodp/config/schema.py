@@ -390,8 +390,9 @@ class Config(_Section):
                           'initialize fills it from a DataLoader passed as training_data.')
     gradient_accumulation_steps: _BatchValue = Field(
         None, description='Micro-batches accumulated per optimizer step (integer, "auto" or null).')
-    gradient_clipping: float = Field(0.0, ge=0.0, allow_inf_nan=False,
-                                     description="Max global gradient L2 norm; 0 disables clipping.")
+    gradient_clipping: float = Field(1.0, ge=0.0, allow_inf_nan=False,
+                                     description="Max global gradient L2 norm; 0 disables clipping. The default, "
+                                                 "1.0, is DeepSpeed's since 0.19 (before, it was 0).")
     steps_per_print: _Period = Field(10, description="Log progress every this many optimizer steps; infinity "
                                                      "(or null) never.")
     wall_clock_breakdown: bool = Field(False, description="Log the mean forward, backward and step times every "
