@@ -42,7 +42,7 @@ def _batches(steps: int, world: int) -> list[list[tuple[torch.Tensor, torch.Tens
 
 
 def train_expert_parallel(group, stage: int, ep: int, steps: int = 3, gas: int = 1, offload: bool = False,
-                          bf16: bool = False, offload_params: bool = False) -> dict:
+                          bf16: bool = False, offload_params: bool = False, fp16: bool = False) -> dict:
     """``steps`` optimizer steps of ``gas`` micro-batches (optimizer states in host memory with
     ``offload``); the losses per micro-batch, the gradient norms per step, the parameters."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -54,7 +54,7 @@ def train_expert_parallel(group, stage: int, ep: int, steps: int = 3, gas: int =
         zero["offload_param"] = {"device": "cpu"}
     cfg = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": gas, "steps_per_print": 10**9,
            "gradient_clipping": 1.0, "optimizer": {"type": "SGD", "params": {"lr": 0.5}}, "zero_optimization": zero,
-           "bf16": {"enabled": bf16}}
+           "bf16": {"enabled": bf16}, "fp16": {"enabled": fp16, "initial_scale_power": 8}}
     engine, _, _, _ = zerodp.initialize(model=model, config=cfg, process_group=group)
     ref = ToyMoE(1)
     opt = torch.optim.SGD(ref.parameters(), lr=0.5)

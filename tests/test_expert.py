@@ -47,13 +47,15 @@ def test_expert_parallel_with_offload_and_accumulation_trains_as_one_process(poo
             torch.testing.assert_close(r["params"][name], want, rtol=1e-5, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_expert_parallel_in_bf16_follows_the_same_model_without_it(pool, stage):
-    """bf16 (16-bit parameters, fp32 masters): ep 2 against the same engine with every expert on every
-    rank; the losses agree to bf16's precision (the reductions add in another order)."""
+@pytest.mark.parametrize("stage,precision", [(1, "bf16"), (3, "bf16"), (2, "fp16")])
+def test_expert_parallel_in_16_bits_follows_the_same_model_without_it(pool, stage, precision):
+    """bf16 or fp16 (16-bit parameters, fp32 masters; fp16 with its loss scale): ep 2 against the same
+    engine with every expert on every rank; the losses agree to 16-bit precision (the reductions add
+    in another order)."""
     from expert_tasks import train_expert_parallel
-    split = pool.run(train_expert_parallel, 4, stage, 2, bf16=True)
-    whole = pool.run(train_expert_parallel, 4, stage, 1, bf16=True)
+    flag = {precision: True}
+    split = pool.run(train_expert_parallel, 4, stage, 2, **flag)
+    whole = pool.run(train_expert_parallel, 4, stage, 1, **flag)
     for a, b in zip(split, whole):
         for got, want in zip(a["losses"], b["losses"]):
             assert abs(got - want) <= 5e-3 * abs(want), (a["losses"], b["losses"])
