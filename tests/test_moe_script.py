@@ -24,6 +24,8 @@ WORLD, MICRO = 4, 8
 TOP2 = ["--moe", "--num-experts", "4", "--top-k", "2"]
 TOP1 = ["--moe", "--num-experts", "4", "4", "--top-k", "1", "--min-capacity", str(MICRO), "--mlp-type", "residual",
         "--moe-param-group"]
+RSAMPLE = ["--moe", "--num-experts", "2", "--top-k", "1", "--noisy-gate-policy", "RSample", "--moe-param-group",
+           "--ep-world-size", "2"]
 #: name -> (ZeRO stage, script flags, the run it must equal: DeepSpeed's for top-1, zerodp's for top-2)
 RUNS = {
     "z0-ep2-top1": (0, TOP1 + ["--ep-world-size", "2"], "z0-ep2-top1"),
@@ -33,11 +35,21 @@ RUNS = {
     "z0-ep2-top2": (0, TOP2 + ["--ep-world-size", "2"], "z3-ep4-top2"),
     "z3-ep4-top2": (3, TOP2 + ["--ep-world-size", "4"], "z0-ep2-top2"),
     "plain-z1": (1, ["--top-k", "1"], "plain-z1"),  # the CNN alone, its config without gradient_clipping
+    # the example's run_ds_moe.sh flags (noise on the gate), in fp16, the example's default dtype, and in fp32:
+    # zerodp's runs, held to each other to fp16's precision
+    "fp16-z2-ep2-rsample": (2, RSAMPLE, "fp32-z2-ep2-rsample"),
+    "fp32-z2-ep2-rsample": (2, RSAMPLE, "fp16-z2-ep2-rsample"),
 }
 DEEPSPEED_RUNS = ("z0-ep2-top1", "z2-ep2-top1", "plain-z1")
 
 
 def _config(stage: int, name: str) -> dict:
+    if name.startswith("fp"):
+        return {"train_batch_size": MICRO * WORLD, "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000,
+                "gradient_clipping": 1.0, "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
+                "fp16": {"enabled": name.startswith("fp16"), "loss_scale": 0, "initial_scale_power": 8, "hysteresis": 2,
+                         "loss_scale_window": 500, "min_loss_scale": 1},
+                "zero_optimization": {"stage": stage, "overlap_comm": True, "contiguous_gradients": True}}
     if name.startswith("plain"):  # no MoE, no gradient_clipping: both clip at the default, 1.0
         return {"train_batch_size": MICRO * WORLD, "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000,
                 "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
@@ -75,6 +87,11 @@ def test_cifar_moe_flags_give_deepspeeds_losses(moe_runs):
     got, want = moe_runs
     for name, (_, flags, reference) in RUNS.items():
         a = got[name]["losses"]
+        if name.startswith("fp"):  # fp16 against fp32, zerodp's both
+            b = got[reference]["losses"]
+            assert got[name]["fp16"] == name.startswith("fp16") and all(math.isfinite(x) for x in a), name
+            assert all(math.isclose(x, y, rel_tol=0.02) for x, y in zip(a, b)), (name, a, b)
+            continue
         b = (want if "1" in flags[flags.index("--top-k") + 1] else got)[reference]["losses"]
         assert len(a) == len(b) == 256 // (MICRO * WORLD), name
         assert all(math.isclose(x, y, rel_tol=1e-5) for x, y in zip(a, b)), (name, reference, a, b)
