@@ -112,7 +112,7 @@ def config(stage: int, declare: str) -> dict:
         zero["leaf_module"] = {"name_suffixes": "moe"}  # a bare string, as DeepSpeed accepts it
     elif declare == "granularity":
         zero["stage3_module_granularity_threshold"] = 50
-    return {"train_micro_batch_size_per_gpu": TOKENS, "steps_per_print": 10**9,
+    return {"train_micro_batch_size_per_gpu": TOKENS, "gradient_clipping": 0.0, "steps_per_print": 10**9,
             "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}}, "zero_optimization": zero}
 
 

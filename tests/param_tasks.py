@@ -49,7 +49,7 @@ def added_after_init(group, stage: int) -> dict:
     """Build the base in ``zero.Init``, then add a layer the way peft places an adapter: made with
     values, then moved to the device (and dtype) of a base weight. Train it through the engine."""
     rank = dist.get_rank(group)
-    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0, "steps_per_print": 10**9,
            "optimizer": {"type": "SGD", "params": {"lr": LR}},
            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 1}}
     with zerodp.zero.Init(data_parallel_group=group):
@@ -76,8 +76,8 @@ def lost_values(group, where: str) -> str:
         base = _base()
     adapter = _adapter(0).to("meta")  # what peft did when the base reported the meta device
     model = nn.Sequential(*base, adapter)
-    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": LR}},
-           "zero_optimization": {"stage": 3}}
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
+           "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_optimization": {"stage": 3}}
     try:
         if where == "initialize":
             zerodp.initialize(model=model, config=cfg, process_group=group)
@@ -92,7 +92,7 @@ def lost_values(group, where: str) -> str:
 def outside_a_gather(group) -> dict:
     """What code outside the engine sees of a stage-3 parameter after ``initialize``, outside and
     inside ``GatheredParameters``, before and after a training step."""
-    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0, "steps_per_print": 10**9,
            "optimizer": {"type": "SGD", "params": {"lr": LR}},
            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1}}
     engine, _, _, _ = zerodp.initialize(model=_base(), config=cfg, process_group=group)
@@ -162,7 +162,7 @@ def repacking_in_engine(group, stage: int, offload: str = "none") -> dict:
     """``_repacking`` trained through the engine: the data its layers assign in the first forward must
     be what later forwards (after a release and a gather at stage 3) and a checkpoint see."""
     rank = dist.get_rank(group)
-    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0, "steps_per_print": 10**9,
            "optimizer": {"type": "SGD", "params": {"lr": LR}},
            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 1,
                                  "offload_param": {"device": offload}, "offload_optimizer": {"device": offload}}}
@@ -189,7 +189,7 @@ def assign_with_modifier(group, stage: int) -> dict:
     ``GatheredParameters(modifier_rank=0)``: rank 0's new values reach every rank and the optimizer,
     as an edit in place does."""
     rank = dist.get_rank(group)
-    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0, "steps_per_print": 10**9,
            "optimizer": {"type": "SGD", "params": {"lr": LR}},
            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 1}}
     engine, _, _, _ = zerodp.initialize(model=_base(), config=cfg, process_group=group)

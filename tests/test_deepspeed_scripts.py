@@ -54,6 +54,7 @@ def load_module(path: Path, name: str):
 def ds_config(stage: int, precision: str, micro: int, gas: int, lr: float) -> dict:
     cfg = {"train_batch_size": micro * gas * WORLD, "train_micro_batch_size_per_gpu": micro,
            "gradient_accumulation_steps": gas, "steps_per_print": 1000,
+           "gradient_clipping": 0.0,  # the single-process references do not clip
            "optimizer": {"type": "Adam", "params": {"lr": lr, "betas": [0.9, 0.999], "eps": 1e-8,
                                                      "weight_decay": 0.0}},
            "zero_optimization": {"stage": stage}}
