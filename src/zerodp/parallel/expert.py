@@ -214,10 +214,9 @@ class ExpertParallel(Parallelism):
             counter.kinds = (*counter.kinds, "all_to_all")
         self.axes = _AXES[sizes[0]]
         self.comm = self.axes.expert_data.comm(counter, EXPERT_DATA)
-        self.expert_comm = self.axes.expert.comm(counter, "expert")  # whole-model saves gather experts over it
+        self.expert_comm = self.axes.expert.comm(counter, "expert")  # the layers' exchanges; whole-model saves
         for m in expert_parallel_layers(model):  # the token exchanges count with the engine's bytes
-            comm = self.axes.expert.comm(counter, "expert")
-            m.set_comm(comm) if hasattr(m, "set_comm") else setattr(m, "comm", comm)
+            m.set_comm(self.expert_comm) if hasattr(m, "set_comm") else setattr(m, "comm", self.expert_comm)
 
     def shard_axes(self) -> dict[str, Comm]:
         return {EXPERT_DATA: self.comm}

@@ -56,9 +56,10 @@ def expert_parallelize(model: nn.Module, ep_size: int) -> list[nn.Module]:
         per = n // ep_size
         lo = axes.expert.rank * per
         for name, p in list(m.named_parameters(recurse=False)):
-            with gathered([p], None) if init_shard(p) is not None else contextlib.nullcontext():
+            built_in_init = init_shard(p) is not None
+            with gathered([p], None) if built_in_init else contextlib.nullcontext():
                 local = nn.Parameter(p.detach()[lo:lo + per].clone(), requires_grad=p.requires_grad)
-            if init_shard(p) is not None:  # built in zero.Init: the slice kept as one, over the ranks holding it
+            if built_in_init:  # the slice kept as one, over the ranks holding it
                 shard_in_place(local, axes.expert_data.comm(label="expert_data"))
             m.register_parameter(name, local)
             # an optimizer built before initialize (the Trainer's) holds the whole one: it gets the slice
