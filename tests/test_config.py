@@ -411,3 +411,24 @@ def test_the_config_reads_as_deepspeeds_config_dict():
     cfg = load_config({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}})
     assert cfg.get("zero_optimization", {}).get("stage") == 3 and cfg["train_micro_batch_size_per_gpu"] == 2
     assert "bf16" in cfg and cfg.get("no_such_key", 7) == 7
+
+
+def test_compile_block_takes_deepspeeds_keys_and_says_deepcompile_is_not_there(recwarn):
+    """DeepSpeed's ``compile`` block: its keys, with DeepSpeed's defaults (read from its own
+    ``CompileConfig`` where DeepSpeed is installed); DeepCompile's switches warn once, saying what runs
+    instead; ``debug_log`` is taken without a warning; an unknown key is named."""
+    cfg = load_config({"train_batch_size": 2, "compile": {"debug_log": True}})
+    assert cfg.compile.debug_log and not cfg.compile.deepcompile and not recwarn.list
+    deepspeed_compile = pytest.importorskip("deepspeed.compile.config")
+    theirs, ours = deepspeed_compile.CompileConfig(), load_config({"train_batch_size": 2}).compile
+    for key in type(ours).model_fields:
+        assert getattr(ours, key) == getattr(theirs, key), key
+    assert set(type(theirs).model_fields) <= set(type(cfg.compile).model_fields)
+    with pytest.warns(UserWarning) as record:
+        load_config({"train_batch_size": 2, "compile": {"deepcompile": True, "passes": ["z3"],
+                                                        "offload_parameters": True, "no_such_pass": 1}})
+    messages = [str(w.message) for w in record]
+    said = [m for m in messages if "DeepCompile" in m]
+    assert len(said) == 1 and "deepcompile" in said[0] and "offload_parameters" in said[0] and "z3" in said[0]
+    assert "engine.compile() runs torch.compile" in said[0]
+    assert sum("'compile.no_such_pass'" in m for m in messages) == 1

@@ -7,6 +7,7 @@ from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, model_validator
 
+from .compile import CompileConfig
 from .fields import (  # noqa: F401 (ConfigError and _fmt are read from here too)
     _NO_AMP,
     _NO_GRAD_OP,
@@ -455,6 +456,9 @@ class Config(_Section):
                                           description="Per-step training metrics in a CSV file.")
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig,
                                            description="Per-step training metrics as TensorBoard scalars.")
+    compile: CompileConfig = Field(default_factory=CompileConfig,
+                                   description="DeepSpeed's engine.compile() settings (DeepCompile's; "
+                                               "docs/training.md).")
 
     @model_validator(mode="before")
     @classmethod
