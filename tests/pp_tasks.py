@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch._dynamo.utils import counters
 from tp_tasks import whole_params  # every stage's parameters, tensor slices put together
 
 import zerodp
@@ -108,11 +109,16 @@ def reference(dp, steps: int, gas: int, clip: float = 0.5, optimizer: str = "SGD
 
 def train(group, pp: int, stage: int, steps: int, gas: int, schedule: str = "1F1B", clip: float = 0.5,
           optimizer: str = "SGD", dtype: str = "fp32", virtual: int = 1, tp: int = 0, tied: bool = True,
-          checkpoint_every: int = 0, save_to: str | None = None, offload: bool = False) -> dict:
-    """Worker task on every rank of the world: ``steps`` calls of ``train_batch``."""
+          checkpoint_every: int = 0, save_to: str | None = None, offload: bool = False, compiled: bool = False) -> dict:
+    """Worker task on every rank of the world: ``steps`` calls of ``train_batch``; ``compiled``: after
+    ``engine.compile(backend="aot_eager")``."""
     model = build(pp, tied=tied, virtual=virtual, checkpoint_every=checkpoint_every)
     engine, _, _, _ = zerodp.initialize(model=model, config=config(stage, gas, schedule, clip, optimizer, dtype, tp,
                                                                    offload))
+    if compiled:
+        torch._dynamo.reset()
+        counters.clear()
+        engine.compile(backend="aot_eager")
     calls = [0]
     for m in model.modules():
         if isinstance(m, Block):
@@ -128,7 +134,8 @@ def train(group, pp: int, stage: int, steps: int, gas: int, schedule: str = "1F1
            "first": engine.is_first_stage(), "last": engine.is_last_stage(),
            "comm": engine.comm_stats(by_group=True), "bubble": engine.bubble_fraction,
            "skipped": engine.skipped_steps, "global_steps": engine.global_steps,
-           "blocks": sum(isinstance(m, Block) for m in model.modules()), "block_forwards": calls[0]}
+           "blocks": sum(isinstance(m, Block) for m in model.modules()), "block_forwards": calls[0],
+           "compiled": engine.is_compiled, "graphs": counters["stats"]["unique_graphs"] if compiled else 0}
     engine.destroy()
     return out
 

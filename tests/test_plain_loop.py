@@ -42,18 +42,13 @@ def test_fp16_needs_a_scaled_loss(pool):
     assert all(r["error"] is None and r["steps"] == 1 for r in scaled)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_compiled_model_trains_with_parity(pool, stage):
     """A model compiled with torch.compile before initialize (inductor on the CPU)."""
     results = pool.run(pt.compiled_train, 2, stage, STEPS, timeout=600)
     assert all(r["error"] is None for r in results)
-    ref = reference(2, STEPS, gas=2, clip=0.5)
+    ref = reference(2, STEPS, gas=2, clip=0.5, branch_on_all_ranks=stage == 3)  # stage 3: the same units on every rank
     assert_matches([dict(r, norms=ref[1]) for r in results], ref, atol=1e-5)
-
-
-def test_compiled_model_at_stage_3_is_refused(pool):
-    results = pool.run(pt.compiled_train, 2, 3, STEPS)
-    assert all("stage: 3 does not run a model compiled with torch.compile" in r["error"] for r in results)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])

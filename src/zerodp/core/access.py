@@ -26,6 +26,7 @@ import re
 import sys
 from typing import TYPE_CHECKING, Callable, Optional
 
+import torch
 from torch import nn
 
 from .gather import Unit
@@ -43,7 +44,7 @@ class _ReadNoticingParameters(dict):
 
     def __getitem__(self, name: str):
         p = dict.__getitem__(self, name)
-        if p is not None and self.watch.stack:
+        if p is not None and self.watch.stack and not torch.compiler.is_compiling():
             self.watch.read(p)
         return p
 
@@ -76,12 +77,22 @@ class ReadWatch:
                 module._parameters = watched
                 self._watched.append(module)
 
+    def forward_begins(self) -> None:
+        """A call of the model begins: forget modules left on the stack by a forward that a compiled
+        graph ended (their hooks ran as Python on the way in and inside the graph on the way out)."""
+        self.stack.clear()
+        self.raised_in = None
+
     def _entered(self, module: nn.Module, args) -> None:
+        if torch.compiler.is_compiling():  # inside a compiled graph nothing is gathered on a read
+            return
         if not self.stack:
             self.raised_in = None
         self.stack.append(module)
 
     def _left(self, module: nn.Module, args, output) -> None:
+        if torch.compiler.is_compiling():
+            return
         if self.stack and self.stack[-1] is module:
             self.stack.pop()
         if output is None and self.raised_in is None and sys.exc_info()[0] is not None:

@@ -406,8 +406,10 @@ def plan_units(model: nn.Module, min_unit_params: int, unit_classes: tuple[type,
     parameter id to unit index.
 
     With ``unit_classes``, every module of those classes is a unit (like FSDP's wrap
-    policy), whatever its size. A module marked a leaf (``zerodp.utils.set_z3_leaf_modules``)
-    is a unit with its whole subtree, and nothing inside it is. Otherwise, walking children
+    policy), whatever its size. A module marked a leaf (``zerodp.utils.set_z3_leaf_modules``),
+    and a module compiled on its own (``block.compile()``, or ``torch.compile(block)`` put in
+    the model's place: its compiled region, see :func:`compiled_regions`), is a unit with its whole
+    subtree, and nothing inside it is. Otherwise, walking children
     before parents, a module becomes a unit when the parameters of its subtree not yet claimed
     by a unit below it number at least ``min_unit_params`` elements. Containers that are never
     called (``ModuleList``, ``ModuleDict``) are never units. Parameters registered in more
@@ -418,14 +420,16 @@ def plan_units(model: nn.Module, min_unit_params: int, unit_classes: tuple[type,
         for p in mod.parameters(recurse=False):
             holders[id(p)] = holders.get(id(p), 0) + 1
     shared = {pid for pid, n in holders.items() if n > 1}
-    inside_leaf = {id(m) for leaf in model.modules() if is_leaf(leaf) for m in leaf.modules() if m is not leaf}
+    regions = compiled_regions(model)
+    whole = [m for m in model.modules() if is_leaf(m) or id(m) in regions]
+    inside_leaf = {id(m) for leaf in whole for m in leaf.modules() if m is not leaf}
     owner: dict[int, int] = {}
     units: list[tuple[str, nn.Module]] = [("", model)]
     for name, mod in reversed(list(model.named_modules())):
         if mod is model or isinstance(mod, _NOT_CALLED) or id(mod) in inside_leaf:
             continue
         mine = [p for p in mod.parameters() if id(p) not in owner and id(p) not in shared]
-        wanted = is_leaf(mod) or (isinstance(mod, unit_classes) if unit_classes else
+        wanted = is_leaf(mod) or id(mod) in regions or (isinstance(mod, unit_classes) if unit_classes else
                                   sum(full_shape(p).numel() for p in mine) >= min_unit_params)
         if mine and wanted:
             units.append((name, mod))
@@ -438,6 +442,23 @@ def plan_units(model: nn.Module, min_unit_params: int, unit_classes: tuple[type,
     order = sorted(range(len(units)), key=lambda u: position[id(units[u][1])])
     renumber = {old: new for new, old in enumerate(order)}
     return [units[u] for u in order], {pid: renumber[u] for pid, u in owner.items()}
+
+
+def compiled_regions(model: nn.Module) -> set[int]:
+    """Ids of the modules under ``model`` (not ``model`` itself) that run compiled on their own: one
+    compiled in place (``module.compile()``: its call, hooks included, runs compiled) and the
+    module inside a ``torch.compile`` wrapper (the wrapper's own hooks never run; the module's run
+    inside the compiled call). Each is planned as one unit, so that its gather and release come at
+    the compiled region's edges and no graph breaks inside it."""
+    out: set[int] = set()
+    for mod in model.modules():
+        inner = getattr(mod, "_orig_mod", None)
+        if isinstance(inner, nn.Module) and type(mod).__name__ == "OptimizedModule":
+            out.add(id(inner))
+        elif getattr(mod, "_compiled_call_impl", None) is not None:
+            out.add(id(mod))
+    out.discard(id(model))
+    return out
 
 
 def tensors_in(obj: Any) -> Iterator[torch.Tensor]:

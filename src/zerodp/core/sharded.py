@@ -55,7 +55,15 @@ if TYPE_CHECKING:
     from .collectives import Comm
     from .flat import FlatGroup
 
-__all__ = ["ShardedParams"]
+__all__ = ["ShardedParams", "outside_compile"]
+
+
+def outside_compile(hook: Callable) -> Callable:
+    """``hook`` as it runs under ``torch.compile``: never traced. Dynamo ends the graph where the hook is
+    called, runs it as Python, and resumes in a new graph, so each unit's gather, release and
+    prefetch stay around the compiled code of its forward (as FSDP2 keeps its hooks around compiled
+    blocks); a compiled region spans one unit's forward at most."""
+    return torch.compiler.disable(hook, recursive=True)
 
 
 class ShardedParams:
@@ -90,13 +98,13 @@ class ShardedParams:
                                      zc.stage3_max_live_parameters, zc.stage3_max_reuse_distance)
         self._on_unit_done = on_unit_done
         self._depth = 0  # calls of the model in progress (nested calls in its own forward are one)
-        self._hooks = [model.register_forward_pre_hook(self._root_pre_forward),
-                       model.register_forward_hook(self._root_post_forward, always_call=True)]
+        self._hooks = [model.register_forward_pre_hook(outside_compile(self._root_pre_forward)),
+                       model.register_forward_hook(outside_compile(self._root_post_forward), always_call=True)]
         for unit in self.units[1:]:
             self._hooks += [
-                unit.module.register_forward_pre_hook(functools.partial(self._unit_pre_forward, unit),
-                                                      with_kwargs=True),
-                unit.module.register_forward_hook(functools.partial(self._unit_post_forward, unit))]
+                unit.module.register_forward_pre_hook(
+                    outside_compile(functools.partial(self._unit_pre_forward, unit)), with_kwargs=True),
+                unit.module.register_forward_hook(outside_compile(functools.partial(self._unit_post_forward, unit)))]
         unit_of_param = {id(p): self.units[g.unit] for g in groups for p in g.params}
         for module, params in external_users(model):
             owners = {id(u): u for p in params if (u := unit_of_param.get(id(p))) is not None
@@ -116,6 +124,17 @@ class ShardedParams:
         initialize_meta_units(self.units, seed, device, param_init_fn, self.prefetcher,
                               after_group=after_group, loaded=loaded, after_unit=after_unit)
 
+    def eager_while_recording(self):
+        """A context for a call of the model: while that forward records the order of units (the
+        first one, and the first after the calls changed), compiled code runs as Python
+        (``torch.compiler.set_stance("force_eager")``), so that its reads of another unit's
+        parameters are noticed and registered as external (``access.py``); later, compiled, forwards
+        find those units gathered by the reading module's hooks, as nothing is gathered on a read
+        inside a compiled graph. Compilation starts with the next forward."""
+        if self.prefetcher.recorded or not hasattr(torch.compiler, "set_stance"):
+            return contextlib.nullcontext()
+        return torch.compiler.set_stance("force_eager")
+
     # -- a unit's life in a step: the hooks' bodies ---------------------------------------------
 
     def _root_pre_forward(self, module: nn.Module, args) -> None:
@@ -127,6 +146,7 @@ class ShardedParams:
             return
         self._depth += 1
         if self._depth == 1:  # the root unit on its way, then the first units' prefetch, then wait for the root
+            self.watch.forward_begins()
             root.gather(async_op=True)
             self.prefetcher.start_forward()
             root.gather()
@@ -179,7 +199,7 @@ class ShardedParams:
     def _regather_in_backward(self, output, units: "tuple[Unit, ...]") -> None:
         """Have backward gather ``units`` again when it reaches ``output`` (with grad enabled)."""
         if torch.is_grad_enabled():
-            regather = functools.partial(self._unit_pre_backward, units)
+            regather = outside_compile(functools.partial(self._unit_pre_backward, units))
             for t in tensors_in(output):
                 if t.requires_grad:
                     t.register_hook(regather)
@@ -200,8 +220,9 @@ class ShardedParams:
     def install_external(self, module: nn.Module, units: "list[Unit]") -> list:
         """Keep ``units`` gathered around ``module``'s forward (it uses their parameters), and gather
         them again when backward reaches its outputs; returns the hooks."""
-        return [module.register_forward_pre_hook(functools.partial(self._external_pre_forward, units)),
-                module.register_forward_hook(functools.partial(self._external_post_forward, units))]
+        pre = outside_compile(functools.partial(self._external_pre_forward, units))
+        post = outside_compile(functools.partial(self._external_post_forward, units))
+        return [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
 
     def _external_pre_forward(self, units: "list[Unit]", module: nn.Module, args) -> None:
         for u in units:

@@ -61,7 +61,7 @@ from ..core.axes import DATA, ShardAxes
 from ..core.backward import Backward
 from ..core.collectives import SCRATCH, CommCounter
 from ..core.device import default_device, select, synchronize
-from ..core.gather import Unit, plan_units, register_params
+from ..core.gather import Unit, compiled_regions, plan_units, register_params
 from ..core.init_shards import has_no_values, init_shard, prepare_for_sharding
 from ..core.leaves import apply_leaf_config
 from ..core.norm import global_norm_and_usage
@@ -175,11 +175,9 @@ class ZeroEngine(EngineAPI, CheckpointAPI, nn.Module):
 
         # a model compiled with torch.compile runs compiled; names and units come from the model inside
         self.base_module: nn.Module = getattr(self.module, "_orig_mod", self.module)
-        if self.base_module is not self.module and self.policy.shard_parameters:
-            raise ConfigError("zero_optimization.stage: 3 does not run a model compiled with torch.compile "
-                              "(its units are gathered and released by hooks around their forward, which "
-                              "a compiled graph does not call); use stage 0-2 with the compiled model, or "
-                              "stage 3 without compiling")
+        if (self.base_module is not self.module or compiled_regions(self.base_module)) and \
+                (why := parallel.refuses_compile(self.parallelisms)) is not None:
+            raise ConfigError(f"a model compiled with torch.compile: {why}")
         built_in_init = {id(p): p for p in self.base_module.parameters() if init_shard(p) is not None}
         groups = user_param_groups(self.base_module, model_parameters, optimizer,
                                    replaced_parameters(self.base_module))
@@ -326,7 +324,9 @@ class ZeroEngine(EngineAPI, CheckpointAPI, nn.Module):
             args, kwargs = self.precision.cast_inputs((args, kwargs))
             offload = (self.activation_offload.forward(self.module) if self.activation_offload is not None
                        else contextlib.nullcontext())
-            with released_parameters_named(self.read_watch), parallel.enter_regions(self.parallelisms), offload:
+            eager = self.sharded.eager_while_recording() if self.sharded is not None else contextlib.nullcontext()
+            with (released_parameters_named(self.read_watch), parallel.enter_regions(self.parallelisms), offload,
+                  eager):
                 out = self.module(*args, **kwargs)
             return out  # under loss parallelism the model's own hooks made the loss a plain tensor
 

@@ -5,7 +5,8 @@ traffic. ``ZeroEngine`` inherits them, and the checkpoint verbs (``checkpoint_ap
 """
 from __future__ import annotations
 
-from typing import Optional
+import warnings
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -13,6 +14,7 @@ import torch.distributed as dist
 from ..core import device
 from ..core.collectives import SCRATCH
 from ..core.memory import measure_model_states
+from ..parallel.base import refuses_compile
 
 
 class EngineAPI:
@@ -125,22 +127,39 @@ class EngineAPI:
     def bfloat16_enabled(self) -> bool:
         return bool(self.config.bf16.enabled)
 
-    def compile(self, backend: Optional[str] = None, compile_kwargs: Optional[dict] = None, **_deepspeed_only) -> None:
-        """Run the model compiled by ``torch.compile`` from now on (DeepSpeed's ``engine.compile``,
-        which Accelerate calls when the script asks for compilation): stages 0-2. Stage 3 gathers
-        each unit in hooks around its forward, which a compiled graph does not call: refused.
-        ``backend`` defaults to torch's; ``compile_kwargs`` are ``torch.compile``'s."""
-        if self.policy.shard_parameters:
-            raise ValueError("engine.compile: stage 3 does not run a compiled model (its units are gathered by "
-                             "hooks around their forward, which a compiled graph does not call); use stage 0-2 "
-                             "to compile, or stage 3 without compiling")
+    def compile(self, backend: Optional[str] = None, compile_kwargs: Optional[dict] = None,
+                schedule: Any = None, compiled_autograd_enabled: bool = False, **_deepspeed_only) -> None:
+        """Run the model compiled by ``torch.compile`` from now on, at any stage (DeepSpeed's
+        ``engine.compile``, which Accelerate calls when the script asks for compilation).
+
+        ``backend`` defaults to torch's (inductor); ``compile_kwargs`` are ``torch.compile``'s (a
+        ``backend`` among them gives way to the argument, as in DeepSpeed). At stage 3 the units'
+        gather, release and prefetch run outside the compiled code (``core/sharded.py``), so each
+        unit's forward compiles between them, and the forward that records the order of units
+        (the first) runs uncompiled. DeepCompile's ``schedule`` and compiled autograd are not
+        there: warned, and backward runs as autograd runs it. The config's ``compile`` block is
+        read here (``config/compile.py``)."""
+        why = refuses_compile(self.parallelisms)
+        if why is not None:
+            raise ValueError(f"engine.compile: {why}")
+        kwargs = dict(compile_kwargs or {})
+        if "backend" in kwargs and backend is not None:
+            warnings.warn("engine.compile: the backend in compile_kwargs gives way to the backend argument",
+                          stacklevel=2)
+        if backend is not None:
+            kwargs["backend"] = backend
+        if schedule is not None or compiled_autograd_enabled:
+            warnings.warn("engine.compile: DeepCompile's schedule and compiled autograd are not in zerodp; "
+                          "the forward is compiled, backward runs as autograd runs it", stacklevel=2)
+        if self.config.compile.debug_log:
+            torch._logging.set_logs(graph_breaks=True, recompiles=True)
         if not self.is_compiled:
-            kwargs = dict(compile_kwargs or {})
-            if backend is not None:
-                kwargs["backend"] = backend
-            # torch.compile's wrapper (nn.Module.compile in place leaves the forward uncompiled in
-            # torch 2.13); engine.module is then the wrapper, whose _orig_mod is the model
-            self.module = torch.compile(self.base_module, **kwargs)
+            self._compile_model(kwargs)
+
+    def _compile_model(self, kwargs: dict) -> None:
+        # torch.compile's wrapper (nn.Module.compile in place leaves the forward uncompiled in
+        # torch 2.13); engine.module is then the wrapper, whose _orig_mod is the model
+        self.module = torch.compile(self.base_module, **kwargs)
 
     @property
     def is_compiled(self) -> bool:

@@ -92,6 +92,16 @@ class PipelineEngine(ZeroEngine):
                              f"({n}) to be a multiple of the pipeline stages ({model.num_stages})")
         return stages, ScheduleInterleaved1F1B(stages, n, loss_fn=self._loss, scale_grads=False)
 
+    def _compile_model(self, kwargs: dict) -> None:
+        """``engine.compile``: the schedule calls this stage's chunks, not the ``PipelineModule``, so each
+        chunk is compiled in place (``nn.Module.compile``)."""
+        for chunk in self.module.chunks:
+            chunk.compile(**kwargs)
+
+    @property
+    def is_compiled(self) -> bool:
+        return all(getattr(chunk, "_compiled_call_impl", None) is not None for chunk in self.module.chunks)
+
     def _loss(self, output, target) -> torch.Tensor:
         """One micro-batch's loss as backward sees it: its share of the mean over the step's
         micro-batches, times the fp16 loss scale (``_loss_factor``)."""

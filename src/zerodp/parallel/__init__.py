@@ -25,6 +25,7 @@ from torch import nn
 
 from ..core.collectives import Comm, CommCounter
 from ..core.flat import is_dtensor
+from ..core.gather import compiled_regions
 from .adapters import base_model, expand_adapters
 from .base import Parallelism
 from .expert import ExpertParallel, ExpertParallelError, expert_parallel_params
@@ -105,6 +106,8 @@ def grid_for(model: nn.Module, config, *, mpu: Any = None, mesh_param: Any = Non
                         f"{grid.source} gives {grid.tp_size} tensor-parallel ranks")
     if grid.pipe.size != pp:
         raise GridError(f"the grid has {grid.pipe.size} pipeline stages, the model {pp}")
+    if grid.tp_size > 1 and (hasattr(model, "_orig_mod") or compiled_regions(model)):
+        raise GridError(f"a model compiled with torch.compile: {_NO_COMPILE}")
     if grid.tp_size > 1 and grid.source != "mpu" and not _already_split(model):
         tensor_parallelize(model, grid, tpc.partition_config, loss_parallel=tpc.loss_parallel,
                            sequence_parallel=tpc.sequence_parallel)
@@ -116,6 +119,11 @@ def grid_for(model: nn.Module, config, *, mpu: Any = None, mesh_param: Any = Non
         from .expert_hf import autoep
         autoep(base_model(model), config.expert_parallel)
     return with_secondary(grid, config.zero_optimization.zero_hpz_partition_size)
+
+
+_NO_COMPILE = ("tensor parallelism does not run compiled yet: torch.compile cannot trace a DTensor parameter whose "
+               "local tensor is a view into a larger buffer, which is how zerodp lays out the split parameters; "
+               "train the tensor-parallel model uncompiled")
 
 
 def tensor_parallelize(model: nn.Module, grid: Grid, partition_config: Optional[dict] = None, *,
@@ -234,6 +242,12 @@ class TensorParallel(Parallelism):
                 "rank of a tensor-parallel group the same data: split the data over the data-parallel ranks "
                 "only (engine.dp_world_size, engine.dp_rank; initialize(training_data=...) does)")
         return args, kwargs
+
+    def refuses_compile(self) -> str:
+        """torch 2.13's dynamo cannot trace a ``DTensor`` whose local tensor starts at an offset into
+        a larger storage ("Attempted to set the storage of a tensor on device cpu to a storage on
+        different device meta"), and a flat group lays the split parameters' local tensors out so."""
+        return _NO_COMPILE
 
     def close(self) -> None:
         for h in self.hooks:

@@ -21,7 +21,7 @@ The base class does nothing in each, so a parallelism writes only what it change
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, ContextManager
+from typing import TYPE_CHECKING, Any, ContextManager, Optional
 
 from torch import nn
 
@@ -57,8 +57,17 @@ class Parallelism:
         that do not use the data axis."""
         return {}
 
+    def refuses_compile(self) -> Optional[str]:
+        """Why a model compiled with ``torch.compile`` cannot run under this parallelism; None when it can."""
+        return None
+
     def close(self) -> None:
         """Undo what the parallelism installed on the model (hooks)."""
+
+
+def refuses_compile(parallelisms: "list[Parallelism]") -> Optional[str]:
+    """The first reason one of ``parallelisms`` gives not to run a compiled model, or None."""
+    return next((why for p in parallelisms if (why := p.refuses_compile()) is not None), None)
 
 
 def enter_regions(parallelisms: "list[Parallelism]") -> ContextManager[Any]:
