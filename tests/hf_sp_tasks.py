@@ -12,11 +12,10 @@ turns serving their batch, which is the order one process draws them in) and rep
 losses and gradient norms."""
 from __future__ import annotations
 
-import json
 import os
-import sys
 
 import torch
+import torchrun_cases
 
 SEQ, VOCAB, MICRO = 16, 64, 2
 
@@ -96,13 +95,5 @@ def run_case(case: str, out_dir: str) -> dict:
             "offload_marked": offload.stats.marked if offload is not None else 0}
 
 
-def main() -> None:
-    out, cases = sys.argv[1], sys.argv[2:]
-    results = {case: run_case(case, os.path.dirname(out)) for case in cases}
-    if int(os.environ.get("RANK", "0")) == 0:
-        with open(out, "w") as f:
-            json.dump(results, f)
-
-
 if __name__ == "__main__":
-    main()
+    torchrun_cases.serve(run_case)

@@ -26,3 +26,14 @@ def run_cases(python: str, script: Path, out: Path, args: list[str], cases: list
     found = json.loads(out.read_text())
     assert sorted(found) == sorted(cases)
     return found
+
+
+def serve(run_case) -> None:
+    """A case script's main: ``OUT CASE...`` from its arguments; ``run_case(case, dir of OUT)`` for each
+    case on every rank, and rank 0 writes their results to OUT."""
+    import sys
+    out, cases = sys.argv[1], sys.argv[2:]
+    results = {case: run_case(case, os.path.dirname(out)) for case in cases}
+    if int(os.environ.get("RANK", "0")) == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
