@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks, in one script, on a machine with one CUDA GPU (about 8 minutes on an H100):
 #
-#   bash benchmarks/gpu_check.sh [setup] [tests] [sanitizer] [bench] [largest] [sequence] [experts]   # default: all
+#   bash benchmarks/gpu_check.sh [setup] [tests] [sanitizer] [bench] [largest] [sequence] [experts] [compile]  # default: all
 #
 #   setup      install zerodp (editable, no network: its dependencies must be there already, or
 #              lie as wheels in .whl/ at the repository root, which this installs first)
@@ -14,10 +14,13 @@
 #   experts    zerodp simulate on the GPU: one rank of 8 training a 4-layer Qwen3-30B-A3B-shaped MoE
 #              (128 experts, top-8) at stage 3, bf16, 2048 tokens, with experts over 1, 2, 4, 8 ranks:
 #              the rank's peak device memory and the bytes it sends per step
+#   compile    benchmarks/compile.py on one GPU: GPT-2 small's shapes, bf16, each stage uncompiled and
+#              compiled (engine.compile; at stage 3 also block by block) against FSDP2 with its blocks
+#              compiled: tokens/s, MFU (H200's 989 dense bf16 TFLOPS), compile time apart, recompiles
 #
 # Logs go to $OUT (or ./gpu_check_out): tests.log, sanitizer.log, bench.log, and JSON/XML beside.
 # Each phase's time limit in seconds can be set: T_TESTS (300), T_SANITIZER (150), T_BENCH (170),
-# T_LARGEST (260), T_SEQUENCE (240), T_EXPERTS (150); the benchmarks' own budgets are 10 s less.
+# T_LARGEST (260), T_SEQUENCE (240), T_EXPERTS (150), T_COMPILE (300); the benchmarks' own budgets are 10 s less.
 #
 # A machine without pydantic (a CUDA image with torch, transformers, peft, accelerate and Lightning,
 # and no network) needs its wheels in .whl/, fetched where the network is, for that machine's Python
@@ -33,7 +36,7 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_check_out}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
-PHASES="${*:-setup tests sanitizer bench largest sequence experts}"
+PHASES="${*:-setup tests sanitizer bench largest sequence experts compile}"
 has() { case " $PHASES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 stamp() { echo "== $(date +%T) $*"; }
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -117,6 +120,12 @@ for ep in (1, 2, 4, 8):
     print(f"{ep:>3} {r['peak'] / 2**30:>9.2f} {r['model_states'] / 2**30:>11.2f} {r['bytes_per_step'] / 2**30:>14.2f} "
           f"{a2a / 2**30:>15.3f} {r['seconds']:>6.1f}")
 PYEOF
+fi
+
+if has compile; then
+  stamp "compile: one GPU, GPT-2 small shapes, bf16, compiled against uncompiled, zerodp against FSDP2"
+  T=${T_COMPILE:-300}; timeout "$T" "$PY" benchmarks/compile.py --device cuda --world 1 --preset gpt2 --micro-batch 8 \
+      --steps 6 --bf16 --peak-tflops 989 --timeout $(((T - 10) / 11)) 2>&1 | tee "$OUT/compile.log" | tail -16
 fi
 
 stamp "done (status $status)"
