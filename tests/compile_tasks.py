@@ -39,7 +39,8 @@ def gpt_run(group, stage: int, how: str, backend: str = "aot_eager", gas: int = 
             steps: int = STEPS) -> dict:
     """Train the tiny example GPT ``steps`` optimizer steps at ``stage``; ``how`` it is compiled:
     ``none``, ``engine`` (``engine.compile``), ``before`` (``torch.compile(model)`` before
-    ``initialize``), ``blocks`` (each block compiled in place before ``initialize``) or ``wrapped``
+    ``initialize``), ``inplace`` (``model.compile()`` before it), ``blocks`` (each block compiled in
+    place before ``initialize``) or ``wrapped``
     (each block replaced by ``torch.compile(block)``). ``units``: stage 3's units are the blocks
     (``unit_classes``) or every module with parameters (``modules``); ``tp``: the config's
     ``tensor_parallel.autotp_size`` (over the whole world: run at 4 ranks). From the third step on a
@@ -53,6 +54,8 @@ def gpt_run(group, stage: int, how: str, backend: str = "aot_eager", gas: int = 
         model.blocks = nn.ModuleList(Recomputed(b) for b in model.blocks)
     if how == "before":
         model = torch.compile(model, backend=backend)
+    elif how == "inplace":
+        model.compile(backend=backend)
     elif how == "blocks":
         for b in model.blocks:
             b.compile(backend=backend)

@@ -43,9 +43,10 @@ def test_engine_compile_equals_eager_at_every_stage(pool, stage):
             assert not c["per_step"][-1]["breaks"]
 
 
-@pytest.mark.parametrize("how", ["before", "blocks", "wrapped"])
+@pytest.mark.parametrize("how", ["before", "inplace", "blocks", "wrapped"])
 def test_model_compiled_before_initialize_at_stage_3(pool, how):
-    """Compiled whole before ``initialize``, or block by block (in place, as Accelerate's regional
+    """Compiled whole before ``initialize`` (``torch.compile(model)`` or ``model.compile()``), or block
+    by block (in place, as Accelerate's regional
     compilation does, or ``torch.compile(block)`` put in its place): each block compiled on its
     own is one unit even when every module would otherwise be one, and no graph breaks in it."""
     eager = pool.run(ct.gpt_run, 2, 3, "none", units="modules")[0]
@@ -53,7 +54,7 @@ def test_model_compiled_before_initialize_at_stage_3(pool, how):
     assert relative_gap(run["losses"], eager["losses"]) <= 1e-5
     settled(run)
     breaks_only_at_hooks(run)
-    if how == "before":
+    if how in ("before", "inplace"):
         assert run["compiled"] and run["units"] == eager["units"]
     else:  # the root, wpe, ln_f, and one unit per block
         assert run["units"] == 5 < eager["units"]
@@ -82,7 +83,7 @@ def test_compiled_stage_3_in_bf16(pool):
     settled(compiled)
 
 
-@pytest.mark.parametrize("how", ["engine", "before", "blocks"])
+@pytest.mark.parametrize("how", ["engine", "before", "inplace", "blocks"])
 def test_tensor_parallelism_refuses_a_compiled_model(pool, how):
     """torch 2.13 cannot trace a DTensor whose local tensor starts at an offset into a larger buffer,
     as the flat groups lay split parameters out: refused by name instead of dynamo's internal error."""

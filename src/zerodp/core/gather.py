@@ -461,6 +461,13 @@ def compiled_regions(model: nn.Module) -> set[int]:
     return out
 
 
+def runs_compiled(model: nn.Module) -> bool:
+    """Whether any of ``model`` runs compiled: a ``torch.compile`` wrapper, compiled in place, or a
+    module under it compiled on its own (:func:`compiled_regions`)."""
+    return (hasattr(model, "_orig_mod") or getattr(model, "_compiled_call_impl", None) is not None
+            or bool(compiled_regions(model)))
+
+
 def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         yield obj

@@ -163,8 +163,9 @@ class EngineAPI:
 
     @property
     def is_compiled(self) -> bool:
-        """Whether the engine runs the model compiled (``compile``, or a model compiled before)."""
-        return self.module is not self.base_module
+        """Whether the engine runs the model compiled (``compile``, or a model compiled before, in
+        ``torch.compile``'s wrapper or in place)."""
+        return self.module is not self.base_module or getattr(self.module, "_compiled_call_impl", None) is not None
 
     def zero_optimization_stage(self) -> int:
         return self.policy.stage

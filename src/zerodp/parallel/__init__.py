@@ -25,7 +25,7 @@ from torch import nn
 
 from ..core.collectives import Comm, CommCounter
 from ..core.flat import is_dtensor
-from ..core.gather import compiled_regions
+from ..core.gather import runs_compiled
 from .adapters import base_model, expand_adapters
 from .base import Parallelism
 from .expert import ExpertParallel, ExpertParallelError, expert_parallel_params
@@ -106,7 +106,7 @@ def grid_for(model: nn.Module, config, *, mpu: Any = None, mesh_param: Any = Non
                         f"{grid.source} gives {grid.tp_size} tensor-parallel ranks")
     if grid.pipe.size != pp:
         raise GridError(f"the grid has {grid.pipe.size} pipeline stages, the model {pp}")
-    if grid.tp_size > 1 and (hasattr(model, "_orig_mod") or compiled_regions(model)):
+    if grid.tp_size > 1 and runs_compiled(model):
         raise GridError(f"a model compiled with torch.compile: {_NO_COMPILE}")
     if grid.tp_size > 1 and grid.source != "mpu" and not _already_split(model):
         tensor_parallelize(model, grid, tpc.partition_config, loss_parallel=tpc.loss_parallel,
