@@ -125,7 +125,7 @@ fi
 if has compile; then
   stamp "compile: one GPU, GPT-2 small shapes, bf16, compiled against uncompiled, zerodp against FSDP2"
   T=${T_COMPILE:-300}; timeout "$T" "$PY" benchmarks/compile.py --device cuda --world 1 --preset gpt2 --micro-batch 8 \
-      --steps 6 --bf16 --peak-tflops 989 --timeout $(((T - 10) / 11)) 2>&1 | tee "$OUT/compile.log" | tail -16
+      --steps 6 --bf16 --peak-tflops 989 --timeout $(((T - 10) / 5)) 2>&1 | tee "$OUT/compile.log" | tail -16
 fi
 
 stamp "done (status $status)"
