@@ -4,8 +4,9 @@ DeepSpeed's keys are all about DeepCompile, its own graph passes (ZeRO-1 and ZeR
 the compiled graph, activation and state offload, its ``autosp``/``autotp`` passes). zerodp has no
 such passes: ``engine.compile()`` runs ``torch.compile`` over the model with the engine's gather,
 release and prefetch hooks outside the compiled regions (docs/training.md, "Compiling"). The keys
-are accepted with DeepSpeed's defaults; ``debug_log`` does what its name says; each other key set
-away from its default warns once, saying what runs instead.
+are accepted with DeepSpeed's defaults; ``debug_log`` does what its name says; DeepCompile's
+switches (``deepcompile``, ``passes`` and the pass flags), when set, warn once, saying what runs
+instead; its tuning values (thresholds, buffering) have no effect.
 """
 from __future__ import annotations
 
