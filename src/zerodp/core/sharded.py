@@ -98,6 +98,7 @@ class ShardedParams:
                                      zc.stage3_max_live_parameters, zc.stage3_max_reuse_distance)
         self._on_unit_done = on_unit_done
         self._depth = 0  # calls of the model in progress (nested calls in its own forward are one)
+        self._pre_backward = outside_compile(self._unit_pre_backward)  # wrapped once, bound to outputs each forward
         self._hooks = [model.register_forward_pre_hook(outside_compile(self._root_pre_forward)),
                        model.register_forward_hook(outside_compile(self._root_post_forward), always_call=True)]
         for unit in self.units[1:]:
@@ -199,7 +200,7 @@ class ShardedParams:
     def _regather_in_backward(self, output, units: "tuple[Unit, ...]") -> None:
         """Have backward gather ``units`` again when it reaches ``output`` (with grad enabled)."""
         if torch.is_grad_enabled():
-            regather = outside_compile(functools.partial(self._unit_pre_backward, units))
+            regather = functools.partial(self._pre_backward, units)
             for t in tensors_in(output):
                 if t.requires_grad:
                     t.register_hook(regather)

@@ -61,7 +61,7 @@ from ..core.axes import DATA, ShardAxes
 from ..core.backward import Backward
 from ..core.collectives import SCRATCH, CommCounter
 from ..core.device import default_device, select, synchronize
-from ..core.gather import Unit, plan_units, register_params, runs_compiled
+from ..core.gather import Unit, plan_units, register_params
 from ..core.init_shards import has_no_values, init_shard, prepare_for_sharding
 from ..core.leaves import apply_leaf_config
 from ..core.norm import global_norm_and_usage
@@ -175,8 +175,6 @@ class ZeroEngine(EngineAPI, CheckpointAPI, nn.Module):
 
         # a model compiled with torch.compile runs compiled; names and units come from the model inside
         self.base_module: nn.Module = getattr(self.module, "_orig_mod", self.module)
-        if runs_compiled(self.module) and (why := parallel.refuses_compile(self.parallelisms)) is not None:
-            raise ConfigError(f"a model compiled with torch.compile: {why}")
         built_in_init = {id(p): p for p in self.base_module.parameters() if init_shard(p) is not None}
         groups = user_param_groups(self.base_module, model_parameters, optimizer,
                                    replaced_parameters(self.base_module))
