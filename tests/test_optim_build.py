@@ -84,7 +84,19 @@ def test_max_grad_norm_rejected():
         optimizer_factory_from_config("Adam", {"max_grad_norm": 1.0})
 
 
-@pytest.mark.parametrize("name", ["Lamb", "OneBitLamb", "LAMB", "Shampoo", "LBFGS", "Adafactor", "Muon"])
+def test_muon_is_built_on_the_engines_groups():
+    """Muon's halves come from the parameters' use_muon tags: the factory alone cannot build it;
+    ``optimizer_from_config`` checks its keys and builds it on the groups it is given."""
+    with pytest.raises(ValueError, match="use_muon"):
+        optimizer_factory_from_config("Muon", {"lr": 1e-3})
+    from zerodp.optim.build import optimizer_from_config
+    from zerodp.optim.muon import MuonWithAuxAdam
+    assert isinstance(optimizer_from_config("muon", {"muon_lr": 0.02, "adam_lr": 1e-3}), MuonWithAuxAdam)
+    with pytest.raises(ValueError, match="optimizer.params.ns_steps"):
+        optimizer_from_config("Muon", {"ns_steps": 0})
+
+
+@pytest.mark.parametrize("name", ["Lamb", "OneBitLamb", "LAMB", "Shampoo", "LBFGS", "Adafactor"])
 def test_non_elementwise_types_refused(name):
     with pytest.raises(ValueError) as exc:
         optimizer_factory_from_config(name, {"lr": 1e-3})

@@ -14,6 +14,7 @@ from torch import nn
 from ..config import Config, ConfigError
 from ..optim import build_scheduler, check_elementwise
 from ..optim.build import optimizer_from_config
+from ..optim.muon import MuonWithAuxAdam, from_torch_muon, is_muon_type, muon_param_groups, tag_for_muon
 from .axes import DATA, ShardAxes
 from .collectives import Comm
 from .flat import FlatGroup, local_tensor
@@ -61,6 +62,24 @@ def user_param_groups(module: nn.Module, model_parameters, optimizer,
                                  f"{seen[id(p)]} and {gi}; each parameter may be in one group")
             seen[id(p)] = gi
     return groups
+
+
+def optimizer_param_groups(config: Config, module: nn.Module, groups: list[dict], optimizer,
+                           report: bool) -> list[dict]:
+    """The param groups the flat groups and the optimizer are built on: ``groups`` as the caller
+    gave them or, for the config's Muon, each split into its Muon and AdamW halves by the
+    parameters' ``use_muon`` tags (those without one tagged here by DeepSpeed's rule;
+    ``optim/muon.py``), the split logged where ``report``."""
+    cfg = config.optimizer
+    if cfg is None or optimizer is not None or not is_muon_type(cfg.type):
+        return groups
+
+    def shape_of(p):
+        return full_shape(local_tensor(p))
+
+    tag_for_muon(module, shape_of)
+    names = {id(p): n for n, p in module.named_parameters()}
+    return muon_param_groups(groups, dict(cfg.params), shape_of, names, report=report)
 
 
 def build_flat_groups(module: nn.Module, groups: list[dict], unit_of: dict[int, int], bucket_numel: int,
@@ -155,6 +174,12 @@ def build_optimizer(config: Config, groups: list[dict], pieces_by_group: list[li
                           "also passed to initialize; give one or the other")
     hyper = [{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in groups]
     new_groups = [dict(h, params=pieces) for h, pieces in zip(hyper, pieces_by_group)]
+    torch_muon = getattr(torch.optim, "Muon", None)
+    if torch_muon is not None and isinstance(optimizer, torch_muon):  # torch's math, each matrix whole on one rank
+        if len(optimizer.state):
+            raise ValueError("the optimizer passed to initialize already has state; pass a "
+                             "freshly constructed optimizer")
+        return MuonWithAuxAdam(from_torch_muon(optimizer, new_groups))
     if isinstance(optimizer, torch.optim.Optimizer):
         check_elementwise(type(optimizer))
         if len(optimizer.state):

@@ -105,6 +105,8 @@ class CommCounter:
         self.last_calls: dict[str, int] = {}
 
     def add(self, kind: str, nbytes: float, group: str = "data", calls: int = 1) -> None:
+        if kind not in self.kinds:  # a kind of its own (Muon's exchange): counted from its first use
+            self.kinds = (*self.kinds, kind)
         self.current[(group, kind)] += int(round(nbytes))
         self.current_calls[group] += calls
 
@@ -495,11 +497,11 @@ class Comm:
         return torch.cat([r.view(parts[0].shape) for r in received.chunk(n)], dim=gather_dim)
 
     def all_to_all_rows(self, x: torch.Tensor, send_rows: list[int], recv_rows: list[int],
-                        what: str = "") -> torch.Tensor:
+                        what: str = "", kind: str = "all_to_all") -> torch.Tensor:
         """Send ``send_rows[i]`` consecutive rows of ``x`` (its first dimension, in order) to rank ``i``
         and receive ``recv_rows[i]`` rows from rank ``i``, joined in rank order (expert parallelism:
-        tokens to the ranks of their experts and back). Counted as ``all_to_all``: the rows sent to
-        the other ranks."""
+        tokens to the ranks of their experts and back; Muon: matrices to their owners and back).
+        Counted as ``kind``: the rows sent to the other ranks."""
         if self.world_size == 1:
             return x
         if sum(send_rows) != x.shape[0]:
@@ -508,7 +510,7 @@ class Comm:
         x = x.contiguous()
         out = x.new_empty((sum(recv_rows), *x.shape[1:]))
         row = math.prod(x.shape[1:]) * x.element_size()
-        self.counter.add("all_to_all", row * (sum(send_rows) - send_rows[self.rank]), self.label)
+        self.counter.add(kind, row * (sum(send_rows) - send_rows[self.rank]), self.label)
         if self.backend == "fake":  # zerodp simulate: nothing moves (its checks would refuse sizes that differ)
             return out
         work = dist.all_to_all_single(out, x, output_split_sizes=list(recv_rows), input_split_sizes=list(send_rows),

@@ -55,6 +55,7 @@ from ..core.assemble import (
     build_flat_groups,
     build_lr_scheduler,
     build_optimizer,
+    optimizer_param_groups,
     user_param_groups,
 )
 from ..core.axes import DATA, ShardAxes
@@ -65,7 +66,7 @@ from ..core.gather import Unit, plan_units, register_params
 from ..core.init_shards import has_no_values, init_shard, prepare_for_sharding
 from ..core.leaves import apply_leaf_config
 from ..core.norm import global_norm_and_usage
-from ..core.optim_shard import OptimizerShard
+from ..core.optim_shard import OptimizerShard, needs_whole_matrices
 from ..core.packed import held_whole_by_bitsandbytes
 from ..core.plain_loop import PlainLoop
 from ..core.precision import LossScaler, PrecisionPolicy
@@ -178,6 +179,7 @@ class ZeroEngine(EngineAPI, CheckpointAPI, nn.Module):
         built_in_init = {id(p): p for p in self.base_module.parameters() if init_shard(p) is not None}
         groups = user_param_groups(self.base_module, model_parameters, optimizer,
                                    replaced_parameters(self.base_module))
+        groups = optimizer_param_groups(config, self.base_module, groups, optimizer, report=self.comm.rank == 0)
         if self.policy.shard_parameters:  # the config's leaf modules, each one unit (core/leaves.py)
             apply_leaf_config(self.base_module, self.zero_config.leaf_module,
                               self.zero_config.stage3_module_granularity_threshold)
@@ -260,6 +262,8 @@ class ZeroEngine(EngineAPI, CheckpointAPI, nn.Module):
                 pieces = OptimizerShard.on_device(g, self.precision.keeps_master(g.dtype)).leaves
             pieces_by_group[g.param_group].extend(pieces)
         self.optimizer = build_optimizer(self.config, groups, pieces_by_group, optimizer)
+        if needs_whole_matrices(self.optimizer):  # Muon: which rank orthogonalizes each matrix
+            self.optimizer.plan_whole_matrices(self.trainable, self.shard_axes.of, self.device)
         self.optimizer.overflow = False  # DeepSpeed's flag, set by each update (fp16: the step was skipped)
 
     def _setup_units(self, unit_plan, meta: bool, param_init_fn, loaded: dict) -> None:
@@ -478,13 +482,16 @@ class ZeroEngine(EngineAPI, CheckpointAPI, nn.Module):
         self._step_applied = True
         clip = self.config.gradient_clipping
         coef = min(clip / (norm + 1e-6), 1.0) if clip > 0 else 1.0
+        whole = self.optimizer.whole_matrix_update if needs_whole_matrices(self.optimizer) else None
         if self.offload is not None:
-            self.offload.step(self.optimizer, used, divisor, coef)
+            self.offload.step(self.optimizer, used, divisor, coef, before_step=whole)
         else:
             for g, u, grad in zip(self.trainable, used, grads):
                 if coef < 1.0:
                     grad.mul_(coef)
                 g.optim.attach_grads(u, grad)
+                if whole is not None:  # Muon: the gradient shard becomes the update (optim/muon.py)
+                    whole(g, grad)
             # the class's step: the instance's is optimizer.step() of plain loops
             type(self.optimizer).step(self.optimizer)
             for g in self.trainable:

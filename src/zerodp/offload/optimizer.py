@@ -23,7 +23,7 @@ synchronous copies within host memory.
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -89,9 +89,11 @@ class OptimizerOffload:
     # -- the step -------------------------------------------------------------------------
 
     def step(self, optimizer: torch.optim.Optimizer, used: list[list[bool]], divisor: float,
-             coef: float) -> None:
+             coef: float, before_step: Optional[Callable[[FlatGroup, torch.Tensor], None]] = None) -> None:
         """One optimizer step over all tiles (see module docstring): gradients divided by
-        ``divisor``, then multiplied by the clipping ``coef`` when it is below 1."""
+        ``divisor``, then multiplied by the clipping ``coef`` when it is below 1; ``before_step(group,
+        grad)`` runs on each tile's host gradient first (Muon's whole-matrix update: its
+        Newton-Schulz iterations run here, where the optimizer runs)."""
         groups = self.groups
         if not groups:
             return
@@ -115,6 +117,8 @@ class OptimizerOffload:
                 if coef < 1.0:
                     grad.mul_(coef)
                 g.optim.attach_grads(used[k], grad)
+                if before_step is not None:
+                    before_step(g, grad)
                 for gi, grp in enumerate(optimizer.param_groups):
                     grp["params"] = g.optim.leaves if gi == g.param_group else []
                 type(optimizer).step(optimizer)

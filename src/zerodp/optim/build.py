@@ -23,6 +23,7 @@ import torch
 
 from ..config import ConfigError
 from .lion import Lion
+from .muon import MuonWithAuxAdam, check_muon_params, is_muon_type
 
 __all__ = ["optimizer_factory_from_config", "optimizer_from_config", "check_optimizer_params",
            "check_elementwise", "SUPPORTED_OPTIMIZERS", "FUSED_OPTIMIZERS"]
@@ -54,6 +55,7 @@ SUPPORTED_OPTIMIZERS: tuple[str, ...] = (
     "RAdam",
     "Adadelta",
     "Lion",
+    "Muon",
 )
 
 # Lower-cased type names that are recognised but refused because their update
@@ -66,7 +68,6 @@ _NON_ELEMENTWISE_TYPES: dict[str, str] = {
     "shampoo": "Shampoo (matrix preconditioners)",
     "lbfgs": "L-BFGS (line search over the full parameter vector)",
     "adafactor": "Adafactor (factored row/column second moments)",
-    "muon": "Muon (whole-matrix orthogonalisation)",
 }
 
 # DeepSpeed-only keys that have no torch equivalent and are silently dropped.
@@ -78,13 +79,17 @@ _DEEPSPEED_ADAM_WEIGHT_DECAY = 0.0
 
 
 def _non_elementwise_message(what: str) -> str:
+    if "muon" in what.lower():
+        return (f"{what} is not supported by zerodp as a class: Muon needs each matrix whole. Use the config's "
+                '"optimizer": {"type": "Muon", ...} (DeepSpeed\'s MuonWithAuxAdam, parameters tagged use_muon) or '
+                "pass a torch.optim.Muon, which zerodp runs with each matrix orthogonalized by one owner rank.")
     return (
         f"{what} is not supported by zerodp: zerodp shards every parameter into flat "
         "pieces owned by different ranks and runs the optimizer on each piece "
         "independently, so optimizers whose update depends on whole-tensor statistics "
         "(trust ratios, matrix preconditioners, factored moments, line searches) would "
         "produce different numbers than unsharded training. Use an elementwise "
-        f"optimizer instead: {', '.join(SUPPORTED_OPTIMIZERS)}."
+        f"optimizer instead: {', '.join(t for t in SUPPORTED_OPTIMIZERS if t != 'Muon')}."
     )
 
 
@@ -129,6 +134,9 @@ def optimizer_factory_from_config(
     key = type_name.strip().lower().replace("-", "").replace("_", "")
     kwargs: dict[str, Any] = dict(params or {})
 
+    if key == "muon":
+        raise ConfigError(f"optimizer.type: got {_fmt(type_name)}; Muon's groups come from the model's use_muon "
+                          "tags: the engine builds it (optimizer_from_config with its param groups)")
     if key in _NON_ELEMENTWISE_TYPES:
         raise ConfigError(f"optimizer.type: got {_fmt(type_name)}; " + _non_elementwise_message(
             f"Optimizer type {type_name!r} ({_NON_ELEMENTWISE_TYPES[key]})"))
@@ -351,6 +359,11 @@ def optimizer_from_config(type_name: str, params: dict[str, Any] | None,
     parameter with that value replaced by its default. Adam and AdamW are built with
     ``fused=True`` where torch has the kernel (unless the block says ``foreach``).
     """
+    if is_muon_type(type_name):  # Muon's own keys; its halves are the groups' use_muon
+        check_muon_params(dict(params or {}))
+        adam_w_mode = (params or {}).get("adam_w_mode", True)
+        probe_groups = [{"params": [torch.nn.Parameter(torch.zeros(1))], "use_muon": False}]
+        return MuonWithAuxAdam(param_groups if param_groups is not None else probe_groups, adam_w_mode=adam_w_mode)
     try:
         cls, kwargs = optimizer_factory_from_config(type_name, dict(params or {}))
         check_elementwise(cls)
@@ -428,6 +441,8 @@ def check_elementwise(optimizer_cls: type) -> None:
     """
     cls = optimizer_cls if isinstance(optimizer_cls, type) else type(optimizer_cls)
     name = cls.__name__
+    if getattr(cls, "whole_matrices", False) and cls.__module__.startswith("zerodp."):
+        return  # zerodp's Muon: brings each matrix whole to one rank (optim/muon.py)
     if (_KNOWN_NON_ELEMENTWISE and issubclass(cls, _KNOWN_NON_ELEMENTWISE)) or _NON_ELEMENTWISE_NAME.search(name):
         raise ValueError(_non_elementwise_message(f"Optimizer class {cls.__module__}.{name}"))
     if cls in _KNOWN_ELEMENTWISE or name == "Lion" or cls.__module__.startswith("zerodp.ops."):

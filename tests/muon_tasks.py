@@ -1,0 +1,144 @@
+"""Worker tasks for ``test_muon.py``: the example GPT trained with the config's Muon (and its AdamW
+half), and the one-process reference of the same math on the global batch."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import zerodp
+from zerodp.examples.gpt import Block, build_gpt
+from zerodp.optim.muon_math import orthogonalize
+
+STEPS, MICRO, SEQ = 5, 2, 24
+PARAMS = {"lr": 0.01, "muon_lr": 0.02, "adam_lr": 3e-3, "momentum": 0.9, "weight_decay": 0.05,
+          "betas": [0.9, 0.98], "eps": 1e-8}
+
+
+def batch(step: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randint(0, 256, (MICRO, SEQ), generator=g)
+
+
+def model():
+    torch.manual_seed(0)
+    return build_gpt("tiny", dropout=0.0, bias=False)
+
+
+def config(stage: int, params: dict | None = None, bucket: int = 30_000, clip: float = 0.0, **zero) -> dict:
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": clip, "steps_per_print": 10_000,
+            "optimizer": {"type": "Muon", "params": dict(PARAMS if params is None else params)},
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket,
+                                  "stage3_param_persistence_threshold": 0, **zero}}
+
+
+def reference(world: int | list, steps: int = STEPS, params: dict | None = None, clip: float = 0.0,
+              forget_at: int | None = None) -> dict:
+    """One process, the whole global batch: DeepSpeed's Muon (momentum, Nesterov blend, the
+    orthogonalized whole matrix, decoupled weight decay) for each matrix whose name has neither
+    ``embed`` nor ``lm_head``, torch's AdamW for the rest; the gradient norm clipped first.
+    ``world``: the ranks whose batches make the global batch, or a list of it per step;
+    ``forget_at``: the Muon momentum starts again from zero at that step."""
+    worlds = list(world) if isinstance(world, (list, tuple)) else [world] * steps
+    steps = len(worlds)
+    params = dict(PARAMS if params is None else params)
+    net = model()
+    muon = [p for n, p in net.named_parameters() if p.dim() >= 2 and "embed" not in n and "lm_head" not in n]
+    adam = [p for p in net.parameters() if all(p is not q for q in muon)]
+    mlr, beta, wd = params.get("muon_lr", params.get("lr", 0.02)), params.get("momentum", 0.95), \
+        params.get("weight_decay", 0.0)
+    opt = torch.optim.AdamW(adam, lr=params.get("adam_lr", params.get("lr", 3e-4)),
+                            betas=tuple(params.get("betas", (0.9, 0.95))), eps=params.get("eps", 1e-10),
+                            weight_decay=wd)
+    bufs = [torch.zeros_like(p) for p in muon]
+    losses = []
+    for step in range(steps):
+        net.zero_grad()
+        idx = torch.cat([batch(step, r) for r in range(worlds[step])])
+        _, loss = net(idx, idx)
+        loss.backward()
+        losses.append(loss.item())
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
+        with torch.no_grad():
+            if step == forget_at:
+                for buf in bufs:
+                    buf.zero_()
+            for p, buf in zip(muon, bufs):
+                buf.lerp_(p.grad, 1 - beta)
+                update = p.grad.lerp(buf, beta)
+                o = orthogonalize(update.reshape(-1), p.shape, ns_method=params.get("ns_method", "gram"))
+                p.mul_(1 - mlr * wd).add_(o.view(p.shape), alpha=-mlr)
+        opt.step()
+    return {"params": {n: p.detach().clone() for n, p in net.named_parameters()}, "losses": losses}
+
+
+def gathered(engine) -> dict:
+    with zerodp.GatheredParameters(list(engine.module.parameters())):
+        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
+def train(group, stage: int, steps: int = STEPS, params: dict | None = None, clip: float = 0.0,
+          bucket: int = 30_000, load: str | None = None, save: str | None = None, **zero) -> dict:
+    """``steps`` steps of the example GPT at ``stage`` on this rank's part of the global batch;
+    the parameters, the losses (averaged over ranks), what the engine counted of Muon's
+    exchange, and the optimizer's share of the orthogonalization. ``load``: resume from the
+    checkpoint there first (its steps count on); ``save``: save one there at the end."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    engine, opt, _, _ = zerodp.initialize(model=model(), config=config(stage, params, bucket, clip, **zero),
+                                          process_group=group, unit_classes=(Block,))
+    if load is not None:
+        engine.load_checkpoint(load)
+    first = engine.global_steps
+    losses, comm = [], []
+    for step in range(first, first + steps):
+        _, loss = engine(batch(step, rank), batch(step, rank))
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, group=group)
+        losses.append(mean.item() / world)
+        comm.append(dict(engine.comm.counter.last_step))
+    if save is not None:
+        engine.save_checkpoint(save)
+    out = {"params": gathered(engine), "losses": losses, "comm": comm, "work": opt.work(),
+           "groups": [(g["name"], g["use_muon"], g["lr"]) for g in opt.param_groups],
+           "ns_methods": [g["ns_method"] for g in opt.param_groups if g["use_muon"]]}
+    engine.destroy()
+    return out
+
+
+def _torch_muon_model():
+    net = model()
+    matrices = [p for p in net.parameters() if p.dim() == 2]
+    for p in net.parameters():
+        p.requires_grad_(p.dim() == 2)
+    return net, matrices
+
+
+def reference_torch_muon(world: int, steps: int = 3) -> dict:
+    """One process: ``torch.optim.Muon`` on the model's matrices (the rest frozen), the global batch."""
+    net, matrices = _torch_muon_model()
+    opt = torch.optim.Muon(matrices, lr=0.02, weight_decay=0.05, adjust_lr_fn="match_rms_adamw")
+    for step in range(steps):
+        opt.zero_grad()
+        idx = torch.cat([batch(step, r) for r in range(world)])
+        net(idx, idx)[1].backward()
+        opt.step()
+    return {n: p.detach().clone() for n, p in net.named_parameters()}
+
+
+def train_torch_muon(group, stage: int, steps: int = 3) -> dict:
+    """The same with a ``torch.optim.Muon`` passed to ``initialize``."""
+    rank = dist.get_rank(group)
+    net, matrices = _torch_muon_model()
+    opt = torch.optim.Muon(matrices, lr=0.02, weight_decay=0.05, adjust_lr_fn="match_rms_adamw")
+    cfg = config(stage)
+    del cfg["optimizer"]
+    engine, *_ = zerodp.initialize(model=net, optimizer=opt, config=cfg, process_group=group)
+    for step in range(steps):
+        _, loss = engine(batch(step, rank), batch(step, rank))
+        engine.backward(loss)
+        engine.step()
+    out = gathered(engine)
+    engine.destroy()
+    return out
