@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import logging
+import sys
+from pathlib import Path
 
 import muon_tasks as mt
 import pytest
 import torch
+from torchrun_cases import run_cases
 
 import zerodp
 from zerodp.optim.muon_math import ns_flops, orthogonalize
@@ -176,3 +179,18 @@ def test_torch_muon_passed_in_runs_torchs_math(pool):
     ref = mt.reference_torch_muon(2)
     for run in runs:
         assert gap(run, ref) <= 3e-2
+
+
+# -- against DeepSpeed's own MuonWithAuxAdam ----------------------------------------------------------
+
+
+def test_muon_equals_deepspeeds_at_every_stage(tmp_path):
+    """Real DeepSpeed (its MuonWithAuxAdam; stage 3 with reduce_scatter false) and zerodp, two ranks,
+    the same model, config and batches (``muon_ds_script.py``)."""
+    pytest.importorskip("deepspeed")
+    found = run_cases(sys.executable, Path(__file__).parent / "muon_ds_script.py", tmp_path / "out.json", [],
+                      ["z0", "z1", "z2", "z3"], ranks=2)
+    for case, run in found.items():
+        assert run["gap"] <= 1e-5, case
+        assert run["zerodp"] == pytest.approx(run["deepspeed"], rel=1e-6), case
+        assert run["deepspeed"][-1] < run["deepspeed"][0] - 0.5, case  # it trained
