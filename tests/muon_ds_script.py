@@ -22,19 +22,24 @@ import muon_tasks as mt  # noqa: E402
 import torchrun_cases  # noqa: E402
 
 
-def _train(lib, stage: int) -> tuple[list[float], dict]:
+def _train(lib, stage: int, steps: range = range(mt.STEPS), load: str | None = None,
+           save: str | None = None) -> tuple[list[float], dict]:
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = mt.config(stage, reduce_scatter=stage != 3)
     cfg["zero_allow_untested_optimizer"] = True
     engine, *_ = lib.initialize(model=mt.model(), model_parameters=None, config=cfg)
+    if load is not None:
+        engine.load_checkpoint(load)
     losses = []
-    for step in range(mt.STEPS):
+    for step in steps:
         _, loss = engine(mt.batch(step, rank), mt.batch(step, rank))
         engine.backward(loss)
         engine.step()
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
+    if save is not None:
+        engine.save_checkpoint(save)
     with lib.zero.GatheredParameters(list(engine.module.parameters())):
         params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     engine.destroy()
@@ -45,7 +50,14 @@ def run_case(case: str, out_dir: str) -> dict:
     import deepspeed
 
     import zerodp
-    stage = int(case[1:])
+    stage = int(case[-1])
+    if case.startswith("resume-"):  # 3 steps under DeepSpeed, its checkpoint, 2 more under zerodp
+        where = os.path.join(out_dir, f"deepspeed-{case}")
+        _train(deepspeed, stage, range(3), save=where)
+        losses, params = _train(zerodp, stage, range(3, mt.STEPS), load=where)
+        if dist.get_rank() == 0:
+            torch.save(params, where + ".params.pt")
+        return {"zerodp": losses, "params": where + ".params.pt"}
     theirs, their_params = _train(deepspeed, stage)
     ours, our_params = _train(zerodp, stage)
     gap = max(((our_params[n] - p).norm() / p.norm()).item() for n, p in their_params.items())

@@ -184,13 +184,40 @@ def test_torch_muon_passed_in_runs_torchs_math(pool):
 # -- against DeepSpeed's own MuonWithAuxAdam ----------------------------------------------------------
 
 
-def test_muon_equals_deepspeeds_at_every_stage(tmp_path):
-    """Real DeepSpeed (its MuonWithAuxAdam; stage 3 with reduce_scatter false) and zerodp, two ranks,
-    the same model, config and batches (``muon_ds_script.py``)."""
+@pytest.fixture(scope="module")
+def deepspeed_runs(tmp_path_factory) -> tuple[dict, Path]:
+    """One two-rank job of ``muon_ds_script.py``: DeepSpeed and zerodp side by side at stages 0-3,
+    and DeepSpeed's Muon checkpoints after 3 steps at stages 1-3, resumed by zerodp for 2 more."""
     pytest.importorskip("deepspeed")
-    found = run_cases(sys.executable, Path(__file__).parent / "muon_ds_script.py", tmp_path / "out.json", [],
-                      ["z0", "z1", "z2", "z3"], ranks=2)
-    for case, run in found.items():
-        assert run["gap"] <= 1e-5, case
-        assert run["zerodp"] == pytest.approx(run["deepspeed"], rel=1e-6), case
-        assert run["deepspeed"][-1] < run["deepspeed"][0] - 0.5, case  # it trained
+    tmp = tmp_path_factory.mktemp("muon_ds")
+    found = run_cases(sys.executable, Path(__file__).parent / "muon_ds_script.py", tmp / "out.json", [],
+                      ["z0", "z1", "z2", "z3", "resume-z1", "resume-z2", "resume-z3"], ranks=2)
+    return found, tmp
+
+
+@pytest.mark.parametrize("case", ["z0", "z1", "z2", "z3"])
+def test_muon_equals_deepspeeds(deepspeed_runs, case):
+    """Real DeepSpeed (its MuonWithAuxAdam; stage 3 with reduce_scatter false) and zerodp, two ranks,
+    the same model, config and batches."""
+    run = deepspeed_runs[0][case]
+    assert run["gap"] <= 1e-5
+    assert run["zerodp"] == pytest.approx(run["deepspeed"], rel=1e-6)
+    assert run["deepspeed"][-1] < run["deepspeed"][0] - 0.5  # it trained
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_deepspeeds_muon_checkpoints_resume(deepspeed_runs, stage):
+    """DeepSpeed keeps Muon's momentum per partition at stage 3 and per whole parameter at stages
+    1-2 (every parameter overlapping a rank's partition, whole): both load, and the run goes on as
+    one process would."""
+    run = deepspeed_runs[0][f"resume-z{stage}"]
+    ours = torch.load(run["params"])
+    assert gap(ours, mt.reference(2)["params"]) <= 1e-5
+    assert gap(ours, mt.reference(2, forget_at=3)["params"]) > 1e-3
+
+
+def test_deepspeeds_muon_checkpoint_loads_at_another_world_size_and_stage(pool, deepspeed_runs):
+    where = deepspeed_runs[1] / "deepspeed-resume-z1"
+    ref = mt.reference([2, 2, 2, 3, 3])
+    for run in pool.run(mt.train, 3, 3, steps=2, load=str(where)):
+        assert gap(run["params"], ref["params"]) <= 1e-5

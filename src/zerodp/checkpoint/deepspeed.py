@@ -182,6 +182,7 @@ class DeepSpeedSource(_DeepSpeedFiles, _DeepSpeedLayout, Source):
         self._flat_of: dict[str, int] = {}
         self._shapes: dict[str, tuple] = {}
         self._expected_len: list[Union[int, list[int]]] = []
+        self._whole_offsets: Optional[dict] = None
         if stage == 3:
             self._layout_stage3(param_shapes, opt0, rank0)
         else:
@@ -370,10 +371,41 @@ class DeepSpeedSource(_DeepSpeedFiles, _DeepSpeedLayout, Source):
         for _, _, name, rd, p, lo, hi in plan:
             flat = self._flat_tensor(name, rd.kind, p).reshape(-1)
             start = p.local + lo - p.elem
+            whole = self._whole_params_offset(name, p, flat.numel()) if rd.kind != VALUE else None
+            if whole is not None:  # kept per whole parameter (Muon's momentum at stages 1-2)
+                start = whole + lo
             if start + hi - lo > flat.numel():
                 raise CheckpointError(f"{self.describe()}: the stored {rd.kind} of {name} ends before element "
                                       f"{hi} (rank {p.rank} holds {flat.numel()} elements)")
             rd.out[lo - rd.lo:hi - rd.lo].copy_(flat[start:start + hi - lo])
+
+    def _whole_params_offset(self, name: str, piece: _Piece, stored: int) -> Optional[int]:
+        """Where parameter ``name`` starts in a state that rank ``piece.rank`` keeps per *whole*
+        parameter rather than per partition: at stages 1-2 DeepSpeed's Muon keeps the momentum of
+        every parameter overlapping a rank's partition, whole and back to back in partition order
+        (so a parameter split over two ranks has its momentum on both). ``None`` when ``stored``
+        (the state's length) is the partition's, as every other state is."""
+        if self.zero_stage == 3 or piece.where is None:
+            return None
+        if self._whole_offsets is None:
+            self._whole_offsets = {}
+            overlapping: dict[tuple[int, int], list[tuple[int, str]]] = {}
+            for other, pieces in self._pieces.items():
+                for q in pieces:
+                    if q.where is not None:
+                        overlapping.setdefault((q.rank, q.where), []).append((q.local, other))
+            for key, names in overlapping.items():
+                at = 0
+                for _, other in sorted(names):
+                    self._whole_offsets[(*key, other)] = at
+                    at += self.params[other].numel
+                self._whole_offsets[key] = at  # type: ignore[index]
+        total = self._whole_offsets.get((piece.rank, piece.where))
+        partition = self._expected_len[piece.where]
+        partition = partition[piece.rank] if isinstance(partition, list) else partition
+        if total is None or stored != total or stored == partition:
+            return None
+        return self._whole_offsets[(piece.rank, piece.where, name)]
 
     def scalar_state(self, name: str) -> Optional[dict[str, float]]:
         name = self._resolve(name)

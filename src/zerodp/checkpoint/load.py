@@ -255,6 +255,8 @@ _ADAM_FAMILY = {"adam", "adamw", "fusedadam", "deepspeedcpuadam", "cpuadam", "ad
 
 def _family(name: str) -> str:
     key = name.lower().replace("_", "")
+    if key in ("muon", "muonwithauxadam"):  # DeepSpeed's config type, the class both name
+        return "muon"
     return "adam" if key in _ADAM_FAMILY else key
 
 
