@@ -24,8 +24,10 @@ def model():
     return build_gpt("tiny", dropout=0.0, bias=False)
 
 
-def config(stage: int, params: dict | None = None, bucket: int = 30_000, clip: float = 0.0, **zero) -> dict:
-    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": clip, "steps_per_print": 10_000,
+def config(stage: int, params: dict | None = None, bucket: int = 30_000, clip: float = 0.0, extra: dict | None = None,
+           **zero) -> dict:
+    return {**(extra or {}), "train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": clip,
+            "steps_per_print": 10_000,
             "optimizer": {"type": "Muon", "params": dict(PARAMS if params is None else params)},
             "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket,
                                   "stage3_param_persistence_threshold": 0, **zero}}
@@ -78,14 +80,20 @@ def gathered(engine) -> dict:
 
 
 def train(group, stage: int, steps: int = STEPS, params: dict | None = None, clip: float = 0.0,
-          bucket: int = 30_000, load: str | None = None, save: str | None = None, **zero) -> dict:
+          bucket: int = 30_000, load: str | None = None, save: str | None = None, extra: dict | None = None,
+          bf16: bool = False, **zero) -> dict:
     """``steps`` steps of the example GPT at ``stage`` on this rank's part of the global batch;
     the parameters, the losses (averaged over ranks), what the engine counted of Muon's
     exchange, and the optimizer's share of the orthogonalization. ``load``: resume from the
-    checkpoint there first (its steps count on); ``save``: save one there at the end."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    engine, opt, _, _ = zerodp.initialize(model=model(), config=config(stage, params, bucket, clip, **zero),
-                                          process_group=group, unit_classes=(Block,))
+    checkpoint there first (its steps count on); ``save``: save one there at the end; ``extra``: more
+    of the config (a tensor-parallel block: the group is then the world)."""
+    cfg = config(stage, params, bucket, clip, extra=dict(extra or {}, bf16={"enabled": bf16}), **zero)
+    try:
+        engine, opt, _, _ = zerodp.initialize(model=model(), config=cfg, unit_classes=(Block,),
+                                              process_group=None if "tensor_parallel" in cfg else group)
+    except (ValueError, zerodp.ConfigError) as e:
+        return {"error": str(e)}
+    rank = engine.get_data_parallel_rank()
     if load is not None:
         engine.load_checkpoint(load)
     first = engine.global_steps
@@ -94,9 +102,9 @@ def train(group, stage: int, steps: int = STEPS, params: dict | None = None, cli
         _, loss = engine(batch(step, rank), batch(step, rank))
         engine.backward(loss)
         engine.step()
-        mean = loss.detach().clone()
+        mean = loss.detach().float()
         dist.all_reduce(mean, group=group)
-        losses.append(mean.item() / world)
+        losses.append(mean.item() / dist.get_world_size(group))
         comm.append(dict(engine.comm.counter.last_step))
     if save is not None:
         engine.save_checkpoint(save)
@@ -142,3 +150,29 @@ def train_torch_muon(group, stage: int, steps: int = 3) -> dict:
     out = gathered(engine)
     engine.destroy()
     return out
+
+
+def pipeline_reference(dp: int, steps: int, gas: int) -> dict:
+    """``pp_tasks``' model as one module on one process, the global batch of ``dp`` ranks x ``gas``
+    micro-batches, clipped at 0.5, ``pp_tasks.MUON``'s Muon and AdamW (DeepSpeed's defaults besides)."""
+    import pp_tasks as pt
+    cfg = pt.MUON
+    net = pt.build(1)
+    named = list(net.named_parameters())
+    muon = [p for n, p in named if p.dim() >= 2 and "embed" not in n and "lm_head" not in n]
+    adam = [p for n, p in named if all(p is not q for q in muon)]
+    opt = torch.optim.AdamW(adam, lr=cfg["adam_lr"], betas=(0.9, 0.95), eps=1e-10, weight_decay=cfg["weight_decay"])
+    bufs = [torch.zeros_like(p) for p in muon]
+    beta, lr, wd = cfg["momentum"], cfg["muon_lr"], cfg["weight_decay"]
+    for step in range(steps):
+        net.zero_grad(set_to_none=True)
+        parts = [pt.loss_fn(net(x), y) for r in range(dp) for x, y in (pt.micro_batch(step, r, m) for m in range(gas))]
+        (sum(parts) / len(parts)).backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 0.5)
+        with torch.no_grad():
+            for p, buf in zip(muon, bufs):
+                buf.lerp_(p.grad, 1 - beta)
+                update = orthogonalize(p.grad.lerp(buf, beta).reshape(-1), p.shape).view(p.shape)
+                p.mul_(1 - lr * wd).add_(update, alpha=-lr)
+        opt.step()
+    return {n: p.detach().clone() for n, p in net.named_parameters()}

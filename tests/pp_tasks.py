@@ -23,7 +23,8 @@ from zerodp.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 VOCAB, DIM, SEQ, MICRO = 32, 16, 6, 2
 SGD = {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}
 ADAMW = {"lr": 0.01, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.1}
-OPTIMIZERS = {"SGD": (torch.optim.SGD, SGD), "AdamW": (torch.optim.AdamW, ADAMW)}
+MUON = {"muon_lr": 0.02, "adam_lr": 0.01, "momentum": 0.9, "weight_decay": 0.1}
+OPTIMIZERS = {"SGD": (torch.optim.SGD, SGD), "AdamW": (torch.optim.AdamW, ADAMW), "Muon": (None, MUON)}
 
 
 class Block(nn.Module):

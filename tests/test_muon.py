@@ -105,6 +105,32 @@ def test_momentum_resumes_at_any_world_size_and_stage(pool, tmp_path, saved, loa
     assert gap(runs[0]["params"], forgot["params"]) > 1e-3  # what a resume without the momentum gives
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_muon_with_pipeline_stages(pool, stage):
+    """Two pipeline stages x two data-parallel ranks: each stage's matrices have owners among its own
+    data-parallel ranks."""
+    import pp_tasks
+    ref = mt.pipeline_reference(2, 3, 2)
+    runs = pool.run(pp_tasks.train, 4, 2, stage, 3, 2, optimizer="Muon")
+    got = {n: p for run in runs for n, p in run["params"].items()}
+    assert gap(got, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("zero", [{"mics_shard_size": 2}, {"zero_hpz_partition_size": 2}])
+def test_muon_with_partial_sharding(pool, zero):
+    """MiCS shards over pairs of ranks (each pair orthogonalizes its matrices, as every pair does);
+    hpZ keeps secondary copies: four ranks, stage 3."""
+    ref = mt.reference(4)
+    for run in pool.run(mt.train, 4, 3, **zero):
+        assert gap(run["params"], ref["params"]) <= 1e-5
+
+
+def test_tensor_parallel_split_matrices_are_refused(pool):
+    runs = pool.run(mt.train, 4, 1, extra={"tensor_parallel": {"autotp_size": 2}})
+    assert all("split over the tensor-parallel ranks" in r["error"] and "use_muon = False" in r["error"]
+               for r in runs)
+
+
 # -- the owners: each matrix once, about 1/N of the work per rank, the bytes the layout implies ------
 
 
