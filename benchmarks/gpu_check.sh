@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks, in one script, on a machine with one CUDA GPU (about 8 minutes on an H100):
 #
-#   bash benchmarks/gpu_check.sh [setup] [tests] [sanitizer] [bench] [largest] [sequence] [experts] [compile]  # default: all
+#   bash benchmarks/gpu_check.sh [setup] [tests] [sanitizer] [bench] [largest] [sequence] [experts] [compile] [muon]  # default: all
 #
 #   setup      install zerodp (editable, no network: its dependencies must be there already, or
 #              lie as wheels in .whl/ at the repository root, which this installs first)
@@ -17,10 +17,11 @@
 #   compile    benchmarks/compile.py on one GPU: GPT-2 small's shapes, bf16, each stage uncompiled and
 #              compiled (engine.compile; at stage 3 also block by block) against FSDP2 with its blocks
 #              compiled: tokens/s, MFU (H200's 989 dense bf16 TFLOPS), compile time apart, recompiles
+#   muon       benchmarks/muon.py on one GPU: Muon's update (fp16 Gram Newton-Schulz) against AdamW's
 #
 # Logs go to $OUT (or ./gpu_check_out): tests.log, sanitizer.log, bench.log, and JSON/XML beside.
 # Each phase's time limit in seconds can be set: T_TESTS (300), T_SANITIZER (150), T_BENCH (170),
-# T_LARGEST (260), T_SEQUENCE (240), T_EXPERTS (150), T_COMPILE (300); the benchmarks' own budgets are 10 s less.
+# T_LARGEST (260), T_SEQUENCE (240), T_EXPERTS (150), T_COMPILE (300), T_MUON (120); the benchmarks' own budgets are 10 s less.
 #
 # A machine without pydantic (a CUDA image with torch, transformers, peft, accelerate and Lightning,
 # and no network) needs its wheels in .whl/, fetched where the network is, for that machine's Python
@@ -36,7 +37,7 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_check_out}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
-PHASES="${*:-setup tests sanitizer bench largest sequence experts compile}"
+PHASES="${*:-setup tests sanitizer bench largest sequence experts compile muon}"
 has() { case " $PHASES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 stamp() { echo "== $(date +%T) $*"; }
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -126,6 +127,12 @@ if has compile; then
   stamp "compile: one GPU, GPT-2 small shapes, bf16, compiled against uncompiled, zerodp against FSDP2"
   T=${T_COMPILE:-300}; timeout "$T" "$PY" benchmarks/compile.py --device cuda --world 1 --preset gpt2 --micro-batch 8 \
       --steps 6 --bf16 --peak-tflops 989 --timeout $(((T - 10) / 5)) 2>&1 | tee "$OUT/compile.log" | tail -16
+fi
+
+if has muon; then
+  stamp "muon: one GPU, the medium GPT, Muon (fp16 Gram iterations) against AdamW"
+  T=${T_MUON:-120}; timeout "$T" "$PY" benchmarks/muon.py --device cuda --worlds 1 --stage 1 --preset medium \
+      --steps 6 --timeout $((T - 10)) 2>&1 | tee "$OUT/muon.log" | tail -6
 fi
 
 stamp "done (status $status)"

@@ -19,9 +19,17 @@ def test_config_reference_lists_every_key_with_its_default():
 
 def test_config_reference_lists_no_key_the_schema_lacks():
     known = {key for key, _, _ in describe_fields()}
-    listed = re.findall(r"^\| `([^`]+)` \| `", CONFIG_DOC, flags=re.M)
+    main_table = CONFIG_DOC.split("\n## ")[0]
+    listed = re.findall(r"^\| `([^`]+)` \| `", main_table, flags=re.M)
     assert len(listed) > 50
     assert set(listed) <= known, sorted(set(listed) - known)
+
+
+def test_config_reference_lists_muons_keys():
+    from zerodp.optim.muon import _IGNORED_KEYS, CONFIG_KEYS
+    section = CONFIG_DOC.split("\n## Muon\n")[1].split("\n## ")[0]
+    listed = set(re.findall(r"`([a-z_0-9]+)`", section.split("\n\n", 2)[1]))
+    assert set(CONFIG_KEYS) | set(_IGNORED_KEYS) <= listed, sorted(set(CONFIG_KEYS) | set(_IGNORED_KEYS) - listed)
 
 
 def test_readme_has_the_two_commands():

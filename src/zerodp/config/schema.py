@@ -250,7 +250,8 @@ class ZeroConfig(_Section):
 class OptimizerConfig(_Section):
     """The ``optimizer`` block: ``{"type": ..., "params": {...}}``."""
 
-    type: str = Field(..., description='Optimizer name, e.g. "AdamW", "Adam", "SGD".')
+    type: str = Field(..., description='Optimizer name, e.g. "AdamW", "Adam", "SGD", "Muon" (Muon\'s keys: the '
+                                       '"Muon" section below).')
     params: dict[str, Any] = Field(default_factory=dict, description="Optimizer keyword arguments (lr, betas, ...).")
 
 
@@ -448,8 +449,8 @@ class Config(_Section):
         default_factory=ActivationCheckpointingConfig,
         description="DeepSpeed's activation checkpointing settings (zerodp.checkpointing).")
     zero_allow_untested_optimizer: bool = Field(
-        False, description="Accepted for compatibility: zerodp takes any elementwise torch optimizer and "
-                           "refuses the others whatever this says.")
+        False, description="Accepted for compatibility: zerodp takes any elementwise torch optimizer and Muon, "
+                           "and refuses the others whatever this says.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig,
                                          description="Checkpoint saving.")
     csv_monitor: CSVMonitorConfig = Field(default_factory=CSVMonitorConfig,
