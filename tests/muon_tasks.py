@@ -176,3 +176,21 @@ def pipeline_reference(dp: int, steps: int, gas: int) -> dict:
                 p.mul_(1 - lr * wd).add_(update, alpha=-lr)
         opt.step()
     return {n: p.detach().clone() for n, p in net.named_parameters()}
+
+
+def expert_run(group, stage: int, ep: int, steps: int = 3) -> dict:
+    """``expert_tasks``' mixture of experts with Muon, its experts over ``ep`` ranks: the parameters,
+    every expert's gathered from the rank holding it."""
+    import expert_tasks as et
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    cfg = {"train_micro_batch_size_per_gpu": et.BATCH, "steps_per_print": 10**9, "gradient_clipping": 1.0,
+           "optimizer": {"type": "Muon", "params": {"muon_lr": 0.05, "adam_lr": 0.01}},
+           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 1}}
+    engine, opt, _, _ = zerodp.initialize(model=et.ToyMoE(ep), config=cfg, process_group=group)
+    for batch in et._batches(steps, world):
+        loss = engine(*batch[rank])
+        engine.backward(loss)
+        engine.step()
+    out = {"params": gathered(engine), "local": engine.module.moe.local, "work": opt.work()}
+    engine.destroy()
+    return out

@@ -83,9 +83,10 @@ def test_standard_iteration(pool):
         assert run["ns_methods"] == ["standard"]
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_muon_with_cpu_offload(pool, stage):
-    zero = {"offload_optimizer": {"device": "cpu"}}
+@pytest.mark.parametrize("stage, device", [(2, "cpu"), (3, "cpu"), (2, "nvme")])
+def test_muon_with_optimizer_offload(pool, tmp_path, stage, device):
+    """The iterations run on the host, tile by tile; on disk the momentum pages out with its tile."""
+    zero = {"offload_optimizer": {"device": device, "nvme_path": str(tmp_path)}, "sub_group_size": 40_000}
     ref = mt.reference(2)
     for run in pool.run(mt.train, 2, stage, **zero):
         assert gap(run["params"], ref["params"]) <= 1e-5
@@ -123,6 +124,18 @@ def test_muon_with_partial_sharding(pool, zero):
     ref = mt.reference(4)
     for run in pool.run(mt.train, 4, 3, **zero):
         assert gap(run["params"], ref["params"]) <= 1e-5
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_muon_with_expert_parallelism(pool, stage):
+    """Experts split over two expert-parallel groups of a four-rank world (their flat groups shard over the
+    expert-data axis, where their owners are chosen) train as with every expert on every rank."""
+    whole = {n: p for run in pool.run(mt.expert_run, 4, stage, 1) for n, p in run["params"].items()}
+    runs = pool.run(mt.expert_run, 4, stage, 2)
+    assert [r["local"] for r in runs] == [[0, 1], [2, 3], [0, 1], [2, 3]]
+    split = {n: p for run in runs for n, p in run["params"].items()}
+    assert sorted(split) == sorted(whole)
+    assert gap(split, whole) <= 1e-5
 
 
 def test_tensor_parallel_split_matrices_are_refused(pool):
