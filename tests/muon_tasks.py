@@ -19,9 +19,13 @@ def batch(step: int, rank: int) -> torch.Tensor:
     return torch.randint(0, 256, (MICRO, SEQ), generator=g)
 
 
-def model():
+def model(heads: int | None = None):
+    """The tiny example GPT; ``heads``: its first attention projection orthogonalized head by head."""
     torch.manual_seed(0)
-    return build_gpt("tiny", dropout=0.0, bias=False)
+    net = build_gpt("tiny", dropout=0.0, bias=False)
+    if heads is not None:
+        net.blocks[0].attn.c_attn.weight.muon_num_heads = heads
+    return net
 
 
 def config(stage: int, params: dict | None = None, bucket: int = 30_000, clip: float = 0.0, extra: dict | None = None,
@@ -34,7 +38,7 @@ def config(stage: int, params: dict | None = None, bucket: int = 30_000, clip: f
 
 
 def reference(world: int | list, steps: int = STEPS, params: dict | None = None, clip: float = 0.0,
-              forget_at: int | None = None) -> dict:
+              forget_at: int | None = None, heads: int | None = None) -> dict:
     """One process, the whole global batch: DeepSpeed's Muon (momentum, Nesterov blend, the
     orthogonalized whole matrix, decoupled weight decay) for each matrix whose name has neither
     ``embed`` nor ``lm_head``, torch's AdamW for the rest; the gradient norm clipped first.
@@ -43,7 +47,7 @@ def reference(world: int | list, steps: int = STEPS, params: dict | None = None,
     worlds = list(world) if isinstance(world, (list, tuple)) else [world] * steps
     steps = len(worlds)
     params = dict(PARAMS if params is None else params)
-    net = model()
+    net = model(heads)
     muon = [p for n, p in net.named_parameters() if p.dim() >= 2 and "embed" not in n and "lm_head" not in n]
     adam = [p for p in net.parameters() if all(p is not q for q in muon)]
     mlr, beta, wd = params.get("muon_lr", params.get("lr", 0.02)), params.get("momentum", 0.95), \
@@ -68,7 +72,8 @@ def reference(world: int | list, steps: int = STEPS, params: dict | None = None,
             for p, buf in zip(muon, bufs):
                 buf.lerp_(p.grad, 1 - beta)
                 update = p.grad.lerp(buf, beta)
-                o = orthogonalize(update.reshape(-1), p.shape, ns_method=params.get("ns_method", "gram"))
+                o = orthogonalize(update.reshape(-1), p.shape, ns_method=params.get("ns_method", "gram"),
+                                  num_heads=getattr(p, "muon_num_heads", None))
                 p.mul_(1 - mlr * wd).add_(o.view(p.shape), alpha=-mlr)
         opt.step()
     return {"params": {n: p.detach().clone() for n, p in net.named_parameters()}, "losses": losses}
@@ -81,7 +86,7 @@ def gathered(engine) -> dict:
 
 def train(group, stage: int, steps: int = STEPS, params: dict | None = None, clip: float = 0.0,
           bucket: int = 30_000, load: str | None = None, save: str | None = None, extra: dict | None = None,
-          bf16: bool = False, **zero) -> dict:
+          bf16: bool = False, heads: int | None = None, **zero) -> dict:
     """``steps`` steps of the example GPT at ``stage`` on this rank's part of the global batch;
     the parameters, the losses (averaged over ranks), what the engine counted of Muon's
     exchange, and the optimizer's share of the orthogonalization. ``load``: resume from the
@@ -89,7 +94,7 @@ def train(group, stage: int, steps: int = STEPS, params: dict | None = None, cli
     of the config (a tensor-parallel block: the group is then the world)."""
     cfg = config(stage, params, bucket, clip, extra=dict(extra or {}, bf16={"enabled": bf16}), **zero)
     try:
-        engine, opt, _, _ = zerodp.initialize(model=model(), config=cfg, unit_classes=(Block,),
+        engine, opt, _, _ = zerodp.initialize(model=model(heads), config=cfg, unit_classes=(Block,),
                                               process_group=None if "tensor_parallel" in cfg else group)
     except (ValueError, zerodp.ConfigError) as e:
         return {"error": str(e)}

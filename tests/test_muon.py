@@ -22,18 +22,19 @@ def gap(a: dict, b: dict) -> float:
 # -- the math against DeepSpeed's and torch's own ---------------------------------------------------
 
 
-@pytest.mark.parametrize("shape", [(8, 24), (24, 8), (16, 16), (3, 6, 10)])
-def test_update_equals_deepspeeds_muon_update(shape):
+@pytest.mark.parametrize("shape, heads", [((8, 24), None), ((24, 8), None), ((16, 16), None), ((3, 6, 10), None),
+                                          ((24, 10), 3)])
+def test_update_equals_deepspeeds_muon_update(shape, heads):
     original = pytest.importorskip("deepspeed.runtime.zero.muon.original_muon")
     torch.manual_seed(0)
     grad, momentum = torch.randn(shape), torch.randn(shape)
     for method, tol in (("gram", 1e-5), ("standard", 0.1)):  # standard runs in bf16 on a CPU
         with torch.compiler.set_stance("force_eager"):
-            theirs = original.muon_update(grad.clone(), momentum.clone(), beta=0.9, ns_method=method)
+            theirs = original.muon_update(grad.clone(), momentum.clone(), beta=0.9, ns_method=method, num_heads=heads)
         mine_momentum, mine_grad = momentum.clone(), grad.clone()
         mine_momentum.lerp_(mine_grad, 0.1)
         blend = mine_grad.lerp_(mine_momentum, 0.9)
-        ours = orthogonalize(blend.reshape(-1), torch.Size(shape), ns_method=method).view(shape)
+        ours = orthogonalize(blend.reshape(-1), torch.Size(shape), ns_method=method, num_heads=heads).view(shape)
         assert (ours - theirs).abs().max().item() <= tol * theirs.abs().max().item(), method
 
 
@@ -64,6 +65,14 @@ def test_muon_at_every_stage_equals_one_process(pool, world, stage):
         assert run["losses"] == pytest.approx(ref["losses"], rel=1e-5)
     assert [(name, muon) for name, muon, _ in runs[0]["groups"]] == [("muon-params", True), ("adam-params", False)]
     assert [lr for *_, lr in runs[0]["groups"]] == [mt.PARAMS["muon_lr"], mt.PARAMS["adam_lr"]]
+
+
+def test_a_projection_orthogonalized_head_by_head(pool):
+    """``param.muon_num_heads`` (DeepSpeed's attribute): the owner orthogonalizes each head's rows apart."""
+    ref = mt.reference(2, steps=3, heads=3)
+    for run in pool.run(mt.train, 2, 3, steps=3, heads=3):
+        assert gap(run["params"], ref["params"]) <= 1e-5
+        assert gap(run["params"], mt.reference(2, steps=3)["params"]) > 1e-4
 
 
 def test_muon_takes_the_clipped_gradient(pool):

@@ -10,7 +10,8 @@ every rank of the group's shard axis:
    rank holding most of it, then the lowest), so every rank orthogonalizes about 1/N of the
    FLOPs and no matrix is orthogonalized twice;
 2. one all-to-all sends each rank's pieces to their owners (``muon_gather``);
-3. each owner joins its parameters' pieces in rank order, orthogonalizes them;
+3. each owner joins each of its parameters' pieces, orthogonalizes it, and writes the result over
+   the pieces it came in (one whole matrix at a time besides the received buffer);
 4. one all-to-all sends each piece of the result back to the rank holding it (``muon_scatter``),
    which writes it over its gradient shard.
 
@@ -43,6 +44,7 @@ class GroupPlan:
     recv: list[list[tuple[int, int, int]]]  # per source rank: (slot, param_lo, length) it sends here
     offsets: list[int]                     # per slot: its offset in the group's full buffer
     mine: list[int] = field(default_factory=list)  # the slots this rank owns
+    arrived: dict[int, list[tuple[int, int, int]]] = field(default_factory=dict)  # owned slot: (at, param_lo, n)
     wire: Optional[torch.device] = None    # where the all-to-alls' buffers must be (NCCL: the GPU)
     flops: int = 0                         # this rank's Newton-Schulz FLOPs for the group
 
@@ -73,14 +75,13 @@ def plan_owners(groups: list, comm_of: Callable[[Any], Any], cost: Callable[[Any
     device NCCL's buffers live on (the engine's; host shards, with optimizer offload, are staged
     there). Groups on one axis share the balance; every rank computes the same plan from the same
     layout."""
-    loads: dict[int, list[int]] = {}
+    loads: dict[str, list[int]] = {}
     chosen: dict[int, list[int]] = {}
     order = sorted(((g, i) for g in groups for i in range(len(g.slots))),
                    key=lambda gi: (-cost(*gi), gi[0].index, gi[1]))
     for g, i in order:
-        comm = comm_of(g)
         n = g.partitions
-        load = loads.setdefault(id(comm), [0] * n)
+        load = loads.setdefault(getattr(g, "axis", "data"), [0] * n)
         if len(load) != n:
             raise ValueError(f"flat group {g.index} splits over {n} ranks, another group on the same axis "
                              f"over {len(load)}")
@@ -100,16 +101,22 @@ def plan_owners(groups: list, comm_of: Callable[[Any], Any], cost: Callable[[Any
             send[owner[slot]].append((lo, lo + length))
         recv = [[p for p in _pieces(g, r) if owner[p[0]] == me] for r in range(n)]
         mine = [i for i in range(len(g.slots)) if owner[i] == me]
+        arrived: dict[int, list[tuple[int, int, int]]] = {i: [] for i in mine}
+        at = 0  # where each owned piece lands in the received buffer (rank order, then slot order)
+        for parts in recv:
+            for slot, plo, length in parts:
+                arrived[slot].append((at, plo, length))
+                at += length
         plans.append(GroupPlan(g.index, comm_of(g), n, owner, [s.shape for s in g.slots], send, recv,
-                               [s.offset for s in g.slots], mine, wire,
-                               sum(cost(g, i) for i in mine)))
+                               [s.offset for s in g.slots], mine, arrived, wire, sum(cost(g, i) for i in mine)))
     return plans
 
 
 def exchange(plan: GroupPlan, shard: torch.Tensor, compute: Callable[[int, torch.Tensor], torch.Tensor]) -> None:
     """Replace each parameter's part of ``shard`` (this rank's gradient shard of the group, the
     blended momentum in it) by its part of ``compute(slot, whole)``, which the owner runs on the
-    parameter's whole flat values."""
+    parameter's whole flat values, one parameter at a time. The update goes back in the buffer its
+    pieces came in, whose layout the return trip shares."""
     if plan.partitions == 1:  # the whole group is here (stage 0): each parameter in place
         for slot in plan.mine:
             lo, hi = plan.offsets[slot], plan.offsets[slot] + plan.shapes[slot].numel()
@@ -120,17 +127,15 @@ def exchange(plan: GroupPlan, shard: torch.Tensor, compute: Callable[[int, torch
     staged = plan.wire is not None and getattr(plan.comm, "backend", "") == "nccl" and out.device != plan.wire
     got = plan.comm.all_to_all_rows(out.to(plan.wire) if staged else out, plan.send_rows, plan.recv_rows,
                                     what="Muon's matrices to their owners", kind="muon_gather").to(shard.device)
-    whole = {i: shard.new_empty(plan.shapes[i].numel()) for i in plan.mine}
-    at = 0
-    for parts in plan.recv:
-        for slot, plo, length in parts:
-            whole[slot][plo:plo + length] = got[at:at + length]
-            at += length
-    result = {i: compute(i, whole.pop(i)) for i in plan.mine}
-    back = [result[slot][plo:plo + length] for parts in plan.recv for slot, plo, length in parts]
-    sent = torch.cat(back) if back else shard.new_empty(0)
-    del result
-    returned = plan.comm.all_to_all_rows(sent.to(plan.wire) if staged else sent, plan.recv_rows, plan.send_rows,
+    del out
+    for slot in plan.mine:
+        whole = shard.new_empty(plan.shapes[slot].numel())
+        for at, plo, length in plan.arrived[slot]:
+            whole[plo:plo + length] = got[at:at + length]
+        result = compute(slot, whole)
+        for at, plo, length in plan.arrived[slot]:
+            got[at:at + length] = result[plo:plo + length]
+    returned = plan.comm.all_to_all_rows(got.to(plan.wire) if staged else got, plan.recv_rows, plan.send_rows,
                                          what="Muon's updates to their shards", kind="muon_scatter").to(shard.device)
     at = 0
     for lo, hi in ranges:
