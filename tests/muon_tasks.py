@@ -86,12 +86,13 @@ def gathered(engine) -> dict:
 
 def train(group, stage: int, steps: int = STEPS, params: dict | None = None, clip: float = 0.0,
           bucket: int = 30_000, load: str | None = None, save: str | None = None, extra: dict | None = None,
-          bf16: bool = False, heads: int | None = None, **zero) -> dict:
+          bf16: bool = False, heads: int | None = None, plain: bool = False, **zero) -> dict:
     """``steps`` steps of the example GPT at ``stage`` on this rank's part of the global batch;
     the parameters, the losses (averaged over ranks), what the engine counted of Muon's
     exchange, and the optimizer's share of the orthogonalization. ``load``: resume from the
     checkpoint there first (its steps count on); ``save``: save one there at the end; ``extra``: more
-    of the config (a tensor-parallel block: the group is then the world)."""
+    of the config (a tensor-parallel block: the group is then the world); ``plain``: a plain PyTorch loop
+    (``loss.backward(); optimizer.step(); optimizer.zero_grad()`` on what ``initialize`` returned)."""
     cfg = config(stage, params, bucket, clip, extra=dict(extra or {}, bf16={"enabled": bf16}), **zero)
     try:
         engine, opt, _, _ = zerodp.initialize(model=model(heads), config=cfg, unit_classes=(Block,),
@@ -105,8 +106,13 @@ def train(group, stage: int, steps: int = STEPS, params: dict | None = None, cli
     losses, comm = [], []
     for step in range(first, first + steps):
         _, loss = engine(batch(step, rank), batch(step, rank))
-        engine.backward(loss)
-        engine.step()
+        if plain:
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        else:
+            engine.backward(loss)
+            engine.step()
         mean = loss.detach().float()
         dist.all_reduce(mean, group=group)
         losses.append(mean.item() / dist.get_world_size(group))

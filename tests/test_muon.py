@@ -67,6 +67,13 @@ def test_muon_at_every_stage_equals_one_process(pool, world, stage):
     assert [lr for *_, lr in runs[0]["groups"]] == [mt.PARAMS["muon_lr"], mt.PARAMS["adam_lr"]]
 
 
+def test_a_plain_pytorch_loop(pool):
+    """``loss.backward(); optimizer.step()`` with the optimizer ``initialize`` returned: the same update."""
+    ref = mt.reference(2, steps=3)
+    for run in pool.run(mt.train, 2, 2, steps=3, plain=True):
+        assert gap(run["params"], ref["params"]) <= 1e-5
+
+
 def test_a_projection_orthogonalized_head_by_head(pool):
     """``param.muon_num_heads`` (DeepSpeed's attribute): the owner orthogonalizes each head's rows apart."""
     ref = mt.reference(2, steps=3, heads=3)
