@@ -1,7 +1,7 @@
 """The Hugging Face ``Trainer`` with a DeepSpeed Muon config on zerodp (``ZERODP_AS_DEEPSPEED=1``): a
-transformers Llama trains five steps at stages 0-3 to the parameters of the Trainer's own DDP loop
-running the same math on whole parameters (to 1e-5 relative). One 2-rank torchrun job runs every
-case (``hf_muon_tasks.py``)."""
+transformers Llama trains five steps at stages 0-3, on 2 and on 3 ranks, to the parameters of the Trainer's own DDP loop
+running the same math on whole parameters (to 1e-5 relative). One torchrun job per world size runs
+every case (``hf_muon_tasks.py``)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,11 +14,12 @@ HERE = Path(__file__).parent
 STAGES = ["z0", "z1", "z2", "z3"]
 
 
-@pytest.fixture(scope="module")
-def results(no_deepspeed_python, tmp_path_factory) -> dict:
+@pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
+def results(request, no_deepspeed_python, tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("hf_muon")
     return torchrun_cases.run_cases(no_deepspeed_python, HERE / "hf_muon_tasks.py", tmp / "results.json", [],
-                                    ["plain", *STAGES], 2, ZERODP_AS_DEEPSPEED="1", TOKENIZERS_PARALLELISM="false")
+                                    ["plain", *STAGES], request.param, ZERODP_AS_DEEPSPEED="1",
+                                    TOKENIZERS_PARALLELISM="false")
 
 
 @pytest.mark.parametrize("case", STAGES)
