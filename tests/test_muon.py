@@ -215,6 +215,20 @@ def test_bad_muon_params_name_their_key(params, key):
         _engine(mt.config(1, params))
 
 
+def test_memory_ledger_counts_one_state_for_muon_and_two_for_adamw():
+    from zerodp.tools.memory_check import compare_with_engine
+    engine, opt = _engine(mt.config(1))
+    _, loss = engine(mt.batch(0, 0), mt.batch(0, 0))
+    engine.backward(loss)
+    engine.step()
+    found = {c.category: c for c in compare_with_engine(engine)}
+    assert all(c.ok for c in found.values()), found
+    muon = sum(p.numel() for g in opt.param_groups if g["use_muon"] for p in g["params"])
+    adam = sum(p.numel() for g in opt.param_groups if not g["use_muon"] for p in g["params"])
+    assert found["optimizer_states"].measured == 4 * (muon + 2 * adam)
+    engine.destroy()
+
+
 def test_a_step_without_the_whole_matrix_update_raises():
     engine, opt = _engine(mt.config(1))
     _, loss = engine(mt.batch(0, 0), mt.batch(0, 0))

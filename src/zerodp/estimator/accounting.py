@@ -30,6 +30,8 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
     "radam": OptimizerSpec("RAdam", 2, "m, v"),
     "adadelta": OptimizerSpec("Adadelta", 2, "square average, delta"),
     "lion": OptimizerSpec("Lion", 1, "momentum"),
+    # Muon's matrices; its AdamW half (embeddings, output layer, norms, biases) keeps AdamW's 2
+    "muon": OptimizerSpec("Muon (its matrices)", 1, "momentum"),
     "adagrad": OptimizerSpec("Adagrad", 1, "sum of squares"),
     "rmsprop": OptimizerSpec("RMSprop", 1, "square average"),
     "sgd-momentum": OptimizerSpec("SGD with momentum", 1, "momentum buffer"),

@@ -24,6 +24,8 @@ __all__ = ["Comparison", "compare_with_engine", "format_comparison"]
 def _elementwise_states(optimizer: torch.optim.Optimizer, group: dict) -> int:
     """State values per parameter element that ``optimizer`` keeps for ``group``."""
     name = type(optimizer).__name__.lower()
+    if name == "muonwithauxadam":  # Muon's momentum; its AdamW half's two moments
+        return 1 if group.get("use_muon") else 2
     if name in ("adam", "adamw"):
         return 3 if group.get("amsgrad") else 2
     if name == "sgd":
@@ -33,7 +35,8 @@ def _elementwise_states(optimizer: torch.optim.Optimizer, group: dict) -> int:
     counts = {"adamax": 2, "nadam": 2, "radam": 2, "adadelta": 2, "adagrad": 1, "lion": 1, "asgd": 1}
     if name not in counts:
         raise EstimateError("optimizer", f"no state count known for {type(optimizer).__name__}; "
-                            f"known: Adam, AdamW, SGD, RMSprop, {', '.join(c.title() for c in counts)}")
+                            f"known: Adam, AdamW, SGD, RMSprop, MuonWithAuxAdam, "
+                            f"{', '.join(c.title() for c in counts)}")
     return counts[name]
 
 

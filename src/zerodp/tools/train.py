@@ -264,9 +264,11 @@ def _train(args: argparse.Namespace, rank: int, world: int) -> int:
     print("estimate for rank 0 (zerodp estimate's ZeRO accounting, no padding): " + ", ".join(
         f"{c} {estimated[c] / MIB:.3f}" for c in MEMORY_COLUMNS if estimated.get(c) is not None))
     print()
+    # the kinds every run has, then any other one this run used (Muon's exchange, all-to-alls), then the total
+    more = tuple(k for k in comm[0] if k not in COMM_COLUMNS and any(row.get(k, 0) for row in comm))
     print(format_table(f"Communication per optimizer step, bytes sent per rank (MiB; "
                        f"ring-algorithm count, {gas} micro-batch{'es' if gas > 1 else ''})",
-                       COMM_COLUMNS, comm))
+                       COMM_COLUMNS[:-1] + more + COMM_COLUMNS[-1:], comm))
     print()
     print(f"train loss: {first:.4f} (mean of first {window} steps) -> {last:.4f} "
           f"(mean of last {window} steps)")
