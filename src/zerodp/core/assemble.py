@@ -179,7 +179,7 @@ def build_optimizer(config: Config, groups: list[dict], pieces_by_group: list[li
         if len(optimizer.state):
             raise ValueError("the optimizer passed to initialize already has state; pass a "
                              "freshly constructed optimizer")
-        return MuonWithAuxAdam(from_torch_muon(optimizer, new_groups))
+        return MuonWithAuxAdam(from_torch_muon(new_groups))
     if isinstance(optimizer, torch.optim.Optimizer):
         check_elementwise(type(optimizer))
         if len(optimizer.state):

@@ -168,9 +168,10 @@ def muon_param_groups(groups: list[dict], params: dict,
     return out
 
 
-def from_torch_muon(optimizer: torch.optim.Optimizer, groups: list[dict]) -> list[dict]:
-    """The groups of a ``torch.optim.Muon`` a script passed in, as Muon groups in torch's flavour
-    (its bf16 iteration, ``eps``, ``ns_coefficients``, ``ns_steps``, ``adjust_lr_fn``)."""
+def from_torch_muon(groups: list[dict]) -> list[dict]:
+    """The groups of a ``torch.optim.Muon`` a script passed in (its hyperparameters, the engine's
+    pieces), as Muon groups in torch's flavour (its bf16 iteration, ``eps``, ``ns_coefficients``,
+    ``ns_steps``, ``adjust_lr_fn``)."""
     out = []
     for g in groups:
         settings = {k: v for k, v in g.items() if k not in ("params", "param_names")}
