@@ -229,6 +229,22 @@ def test_memory_ledger_counts_one_state_for_muon_and_two_for_adamw():
     engine.destroy()
 
 
+def test_a_parameter_without_gradient_steps_on_zeros_as_in_deepspeed():
+    """No rank uses ``idle``: DeepSpeed's Muon steps it on a zero gradient, so its momentum stays zero, its
+    update is zero and only the weight decay moves it: ``(1 - muon_lr x weight_decay)`` per step."""
+    net = mt.model()
+    net.idle = torch.nn.Linear(64, 64, bias=False)
+    before = net.idle.weight.detach().clone()
+    engine, opt = _engine(mt.config(2), net)
+    for step in range(3):
+        _, loss = engine(mt.batch(step, 0), mt.batch(step, 0))
+        engine.backward(loss)
+        engine.step()
+    decay = (1 - mt.PARAMS["muon_lr"] * mt.PARAMS["weight_decay"]) ** 3
+    torch.testing.assert_close(engine.module.idle.weight.detach(), before * decay, rtol=1e-6, atol=0)
+    engine.destroy()
+
+
 def test_a_step_without_the_whole_matrix_update_raises():
     engine, opt = _engine(mt.config(1))
     _, loss = engine(mt.batch(0, 0), mt.batch(0, 0))
