@@ -80,8 +80,9 @@ def reference(world: int | list, steps: int = STEPS, params: dict | None = None,
 
 
 def gathered(engine) -> dict:
-    with zerodp.GatheredParameters(list(engine.module.parameters())):
-        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    """Every parameter whole (gathered at stage 3; a tensor-parallel split's slices joined)."""
+    from tp_tasks import whole_params
+    return whole_params(engine)
 
 
 def train(group, stage: int, steps: int = STEPS, params: dict | None = None, clip: float = 0.0,

@@ -154,10 +154,15 @@ def test_muon_with_expert_parallelism(pool, stage):
     assert gap(split, whole) <= 1e-5
 
 
-def test_tensor_parallel_split_matrices_are_refused(pool):
-    runs = pool.run(mt.train, 4, 1, extra={"tensor_parallel": {"autotp_size": 2}})
-    assert all("split over the tensor-parallel ranks" in r["error"] and "use_muon = False" in r["error"]
-               for r in runs)
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_muon_with_tensor_parallelism(pool, stage):
+    """Two tensor-parallel pairs (autotp) of two data-parallel ranks: a split matrix's owner joins its slices
+    over the tensor-parallel ranks, orthogonalizes the whole and keeps its slice."""
+    ref = mt.reference(2)
+    for run in pool.run(mt.train, 4, stage, extra={"tensor_parallel": {"autotp_size": 2}}):
+        assert "error" not in run, run.get("error")
+        assert gap(run["params"], ref["params"]) <= 1e-5
+        assert run["comm"][-1]["all_gather"] > 0
 
 
 # -- the owners: each matrix once, about 1/N of the work per rank, the bytes the layout implies ------

@@ -90,15 +90,16 @@ class HostOptimizer(Protocol):
 class WholeMatrixOptimizer(Protocol):
     """An optimizer whose update of a parameter needs the parameter whole (Muon, ``optim/muon.py``).
     It says so with ``whole_matrices = True``; the engine then calls ``plan_whole_matrices`` once,
-    after building it, with the trainable groups, the comm of each group's shard axis and the
-    engine's device (where NCCL's buffers must be), and
+    after building it, with the trainable groups, the comm of each group's shard axis, the
+    engine's device (where NCCL's buffers must be) and the tensor-parallel ranks' comm, and
     before each step ``whole_matrix_update`` for every trainable group, in group order on every
     rank, with the group's fp32 gradient shard (unscaled, clipped, attached to the leaves), which
     the call replaces by the update (its collectives go through that comm)."""
 
     whole_matrices: bool
 
-    def plan_whole_matrices(self, groups: list[FlatGroup], comm_of: Any, wire: torch.device) -> None: ...
+    def plan_whole_matrices(self, groups: list[FlatGroup], comm_of: Any, wire: torch.device,
+                            tensor_comm: Any) -> None: ...
 
     def whole_matrix_update(self, group: FlatGroup, grad: torch.Tensor) -> None: ...
 

@@ -12,7 +12,10 @@
 * the Muon half's update is momentum (elementwise, on each rank's shard, kept as the optimizer
   state ``momentum_buffer``), the whole blended matrix orthogonalized by its owner rank
   (``muon_owners.py``; the math in ``muon_math.py``), then ``p <- p (1 - lr wd) - lr update``;
-* the AdamW half is torch's AdamW (Adam with ``adam_w_mode: false``) over the same state dict.
+* the AdamW half is torch's AdamW (Adam with ``adam_w_mode: false``) over the same state dict;
+* a matrix split by tensor parallelism is whole over its tensor-parallel ranks: its owner (the same
+  data-parallel rank in each, since their layouts are alike) joins the slices with one all-gather
+  there, orthogonalizes the whole matrix and keeps its slice.
 
 The engine drives it through the declared interface ``whole_matrices`` (``core/optim_shard.py``):
 ``plan_whole_matrices`` once, ``whole_matrix_update`` for each trainable group (every rank, in
@@ -180,6 +183,19 @@ def from_torch_muon(groups: list[dict]) -> list[dict]:
     return out
 
 
+def _join_slices(local: torch.Tensor, split: Any, comm: Any) -> torch.Tensor:
+    """The unsplit matrix from this rank's flat slice ``local`` and its tensor-parallel peers' (one
+    all-gather over ``comm``; ``split``: a ``parallel.tensor.TPSlice``)."""
+    n, shape = comm.world_size, split.local_shape()
+    gathered = local.new_empty(n * local.numel())
+    gathered.view(n, -1)[comm.rank].copy_(local)
+    comm.all_gather(gathered, what="a tensor-parallel matrix for Muon")
+    unsplit = local.new_empty(split.shape)
+    for r, chunk in enumerate(gathered.view(n, -1)):
+        split.place(unsplit, chunk.view(shape), rank=r)
+    return unsplit
+
+
 class MuonWithAuxAdam(torch.optim.Optimizer):
     """Muon for groups with ``use_muon``, AdamW for the others (module docstring), over the
     engine's pieces. ``adam_w_mode=False`` makes the AdamW half Adam with L2 weight decay."""
@@ -205,28 +221,41 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                                            for p in leaves)
         self._plans: dict[int, GroupPlan] = {}
         self._heads: dict[int, list[Optional[int]]] = {}
+        self._splits: dict[int, list[Any]] = {}  # per group, per slot: its tensor-parallel slice, or None
+        self._tensor_comm: Any = None
         self._ready: set[int] = set()
 
     # -- the engine's side ----------------------------------------------------------------
 
     def plan_whole_matrices(self, groups: list, comm_of: Callable[[Any], Any],
-                            wire: Optional[torch.device] = None) -> None:
+                            wire: Optional[torch.device] = None, tensor_comm: Any = None) -> None:
         """Choose each Muon parameter's owner rank (``muon_owners.py``) over the trainable flat
         ``groups`` (``comm_of(group)``: its shard axis's comm; ``wire``: the device the
-        collectives' buffers live on)."""
+        collectives' buffers live on; ``tensor_comm``: the tensor-parallel ranks, over which a
+        split matrix is whole)."""
         muon = [g for g in groups if self.param_groups[g.param_group]["use_muon"]]
+        self._tensor_comm = tensor_comm
         for g in muon:
-            if getattr(g, "tp_split", False):
-                raise ValueError(f"Muon needs each matrix whole, and {g.slots[0].name} is split over the "
-                                 "tensor-parallel ranks; Muon with tensor parallelism is not supported: tag the "
-                                 "split parameters `use_muon = False`, or train without tensor parallelism")
+            if getattr(g, "tp_split", False) and (tensor_comm is None or tensor_comm.world_size == 1):
+                raise ValueError(f"Muon needs each matrix whole, and {g.slots[0].name} is split over "
+                                 "tensor-parallel ranks this optimizer was not given: tag the split parameters "
+                                 "`use_muon = False`, or let the engine build the optimizer")
             self._heads[g.index] = [getattr(p, "muon_num_heads", None) for p in g.params]
+            self._splits[g.index] = [s.tp for s in g.slots]
 
         def cost(g, slot: int) -> int:
-            pg = self.param_groups[g.param_group]
-            return ns_flops(g.slots[slot].shape, pg["ns_steps"], pg["ns_method"], self._heads[g.index][slot])
+            pg, split = self.param_groups[g.param_group], self._splits[g.index][slot]
+            shape = torch.Size(split.shape) if split is not None else g.slots[slot].shape
+            return ns_flops(shape, pg["ns_steps"], pg["ns_method"], self._heads[g.index][slot])
 
         self._plans = {p.index: p for p in plan_owners(muon, comm_of, cost, wire)}
+        split = [(g.index, tuple(self._plans[g.index].owner)) for g in muon if getattr(g, "tp_split", False)]
+        if split:  # a split matrix's slices meet at the same data-parallel rank of each tensor-parallel rank
+            mine = [hash(tuple(split)) & 0x7FFFFFFF]
+            if len({v[0] for v in tensor_comm.all_gather_ints(mine, what="Muon's owners")}) != 1:
+                raise ValueError("Muon: the tensor-parallel ranks laid their split matrices out differently, so "
+                                 "their slices would not meet at one owner; tag the split parameters "
+                                 "`use_muon = False`")
 
     def whole_matrix_update(self, group, grad: torch.Tensor) -> None:
         """Replace ``group``'s gradient shard ``grad`` (fp32, unscaled, clipped; the optimizer's
@@ -262,8 +291,17 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         if torch_flavour:
             kwargs.update(coefficients=pg["ns_coefficients"], eps=pg["eps"], adjust_lr_fn=pg["adjust_lr_fn"])
 
+        splits = self._splits[group.index]
+
         def compute(slot: int, whole: torch.Tensor) -> torch.Tensor:
-            return orthogonalize(whole, plan.shapes[slot], num_heads=heads[slot], **kwargs)
+            split = splits[slot]
+            if split is None:
+                return orthogonalize(whole, plan.shapes[slot], num_heads=heads[slot], **kwargs)
+            # a tensor-parallel slice: whole over the tensor-parallel ranks, which own it too (the same
+            # layout gives them the same owner among their data-parallel ranks)
+            unsplit = _join_slices(whole, split, self._tensor_comm)
+            update = orthogonalize(unsplit.reshape(-1), torch.Size(split.shape), num_heads=heads[slot], **kwargs)
+            return split.take(update.view(split.shape)).reshape(-1)
 
         exchange(plan, grad, compute)
 
