@@ -82,6 +82,14 @@ def test_a_projection_orthogonalized_head_by_head(pool):
         assert gap(run["params"], mt.reference(2, steps=3)["params"]) > 1e-4
 
 
+def test_muon_in_bf16(pool):
+    """bf16 forward and backward, fp32 masters, momentum and iterations: within bf16's reach of fp32."""
+    ref = mt.reference(2, steps=3)
+    for run in pool.run(mt.train, 2, 3, steps=3, bf16=True):
+        assert gap({n: p.float() for n, p in run["params"].items()}, ref["params"]) <= 3e-2
+        assert run["losses"] == pytest.approx(ref["losses"], rel=1e-2)
+
+
 def test_muon_takes_the_clipped_gradient(pool):
     ref = mt.reference(2, steps=3, clip=0.5)
     for run in pool.run(mt.train, 2, 2, steps=3, clip=0.5):
