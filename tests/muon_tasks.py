@@ -206,3 +206,22 @@ def expert_run(group, stage: int, ep: int, steps: int = 3) -> dict:
     out = {"params": gathered(engine), "local": engine.module.moe.local, "work": opt.work()}
     engine.destroy()
     return out
+
+
+def monitored(group, directory: str) -> list[dict]:
+    """Two steps at stage 2 with the CSV monitor on: rank 0's rows."""
+    import csv
+    import os
+    rank = dist.get_rank(group)
+    cfg = config(2)
+    cfg["csv_monitor"] = {"enabled": True, "output_path": directory, "job_name": "muon"}
+    engine, *_ = zerodp.initialize(model=model(), config=cfg, process_group=group)
+    for step in range(2):
+        _, loss = engine(batch(step, rank), batch(step, rank))
+        engine.backward(loss)
+        engine.step()
+    engine.destroy()
+    if rank != 0:
+        return []
+    with open(os.path.join(directory, "muon", "metrics.csv"), newline="") as f:
+        return list(csv.DictReader(f))

@@ -190,6 +190,11 @@ def test_each_matrix_orthogonalized_once_and_balanced(pool, world):
         assert 0 < moved <= 2 * muon_bytes / world + 4 * 64  # what it holds of others' matrices, out and back
 
 
+def test_the_metrics_file_has_the_exchange(pool, tmp_path):
+    rows = pool.run(mt.monitored, 2, str(tmp_path))[0]
+    assert len(rows) == 2 and all(int(r["comm_muon_gather"]) > 0 and int(r["comm_muon_scatter"]) > 0 for r in rows)
+
+
 def test_stage_0_exchanges_nothing(pool):
     runs = pool.run(mt.train, 2, 0, steps=1)
     assert all("muon_gather" not in r["comm"][-1] for r in runs)

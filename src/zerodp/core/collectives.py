@@ -104,8 +104,13 @@ class CommCounter:
         self.last_by_group: dict[str, dict[str, int]] = {}
         self.last_calls: dict[str, int] = {}
 
+    def declare(self, *kinds: str) -> None:
+        """Count these kinds from now on (zero until used): a part of the engine that will send them
+        says so at set-up, so that every step's figures, and a metrics file's columns, have them."""
+        self.kinds = (*self.kinds, *(k for k in kinds if k not in self.kinds))
+
     def add(self, kind: str, nbytes: float, group: str = "data", calls: int = 1) -> None:
-        if kind not in self.kinds:  # a kind of its own (Muon's exchange): counted from its first use
+        if kind not in self.kinds:  # a kind nobody declared: counted from its first use
             self.kinds = (*self.kinds, kind)
         self.current[(group, kind)] += int(round(nbytes))
         self.current_calls[group] += calls

@@ -97,6 +97,7 @@ class WholeMatrixOptimizer(Protocol):
     the call replaces by the update (its collectives go through that comm)."""
 
     whole_matrices: bool
+    comm_kinds: tuple[str, ...]  # what its collectives count under, declared to the engine's counter after planning
 
     def plan_whole_matrices(self, groups: list[FlatGroup], comm_of: Any, wire: torch.device,
                             tensor_comm: Any) -> None: ...

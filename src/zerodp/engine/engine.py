@@ -265,6 +265,7 @@ class ZeroEngine(EngineAPI, CheckpointAPI, nn.Module):
         if needs_whole_matrices(self.optimizer):  # Muon: which rank orthogonalizes each matrix
             self.optimizer.plan_whole_matrices(self.trainable, self.shard_axes.of, self.device,
                                                self.grid.tensor.comm(self.comm.counter))
+            self.comm.counter.declare(*self.optimizer.comm_kinds)
         self.optimizer.overflow = False  # DeepSpeed's flag, set by each update (fp16: the step was skipped)
 
     def _setup_units(self, unit_plan, meta: bool, param_init_fn, loaded: dict) -> None:

@@ -58,7 +58,7 @@ class PipelineEngine(ZeroEngine):
         if pc.schedule == "Interleaved1F1B" and model.virtual_stages < 2:
             raise ValueError("pipeline.schedule: \"Interleaved1F1B\" needs a PipelineModule built with "
                              "virtual_stages=2 or more (chunks per stage)")
-        self.comm.counter.kinds = (*self.comm.counter.kinds, "p2p")
+        self.comm.counter.declare("p2p")
         self.pipe_comm = grid.pipe.comm(self.comm.counter, "pipe")
         group_of = {id(p): g for g in self.flat_groups for p in g.params}
         self._ties = [(axis.comm(self.comm.counter, "pipe"),

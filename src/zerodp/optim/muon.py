@@ -305,6 +305,12 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
 
         exchange(plan, grad, compute)
 
+    @property
+    def comm_kinds(self) -> tuple[str, ...]:
+        """The collective kinds the update sends (counted in ``engine.comm_stats()``): the exchange's,
+        where some group is sharded."""
+        return ("muon_gather", "muon_scatter") if any(p.partitions > 1 for p in self._plans.values()) else ()
+
     def work(self) -> dict[str, int]:
         """This rank's share of the orthogonalization: matrices and FLOPs per step."""
         return {"matrices": sum(len(p.mine) for p in self._plans.values()),

@@ -210,8 +210,7 @@ class ExpertParallel(Parallelism):
         if len(sizes) != 1:
             raise ExpertParallelError(f"the model's experts use expert-parallel sizes {sizes}; zerodp supports one "
                                       "per model")
-        if "all_to_all" not in counter.kinds:
-            counter.kinds = (*counter.kinds, "all_to_all")
+        counter.declare("all_to_all")
         self.axes = _AXES[sizes[0]]
         self.comm = self.axes.expert_data.comm(counter, EXPERT_DATA)
         self.expert_comm = self.axes.expert.comm(counter, "expert")  # the layers' exchanges; whole-model saves

@@ -190,8 +190,7 @@ class SequenceParallel(Parallelism):
     name = "sequence"
 
     def __init__(self, grid: Grid, counter: CommCounter) -> None:
-        if "all_to_all" not in counter.kinds:
-            counter.kinds = (*counter.kinds, "all_to_all")
+        counter.declare("all_to_all")
         self.comm = grid.sequence.comm(counter, "sequence")
 
 
