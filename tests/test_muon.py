@@ -164,13 +164,20 @@ def test_muon_with_expert_parallelism(pool, stage):
 
 @pytest.mark.parametrize("stage", [0, 1, 3])
 def test_muon_with_tensor_parallelism(pool, stage):
-    """Two tensor-parallel pairs (autotp) of two data-parallel ranks: a split matrix's owner joins its slices
-    over the tensor-parallel ranks, orthogonalizes the whole and keeps its slice."""
+    """Two tensor-parallel pairs (autotp) of two data-parallel ranks: a split matrix's owners (one per
+    tensor-parallel rank) send their slices to the one of them that finishes it, which orthogonalizes the whole
+    and sends the slices back: every matrix once over the four ranks (at stage 0 once per data-parallel rank,
+    which holds them all)."""
     ref = mt.reference(2)
-    for run in pool.run(mt.train, 4, stage, extra={"tensor_parallel": {"autotp_size": 2}}):
+    runs = pool.run(mt.train, 4, stage, extra={"tensor_parallel": {"autotp_size": 2}})
+    for run in runs:
         assert "error" not in run, run.get("error")
         assert gap(run["params"], ref["params"]) <= 1e-5
-        assert run["comm"][-1]["all_gather"] > 0
+        assert run["comm"][-1]["muon_gather"] > 0
+    matrices = [p for n, p in mt.model().named_parameters() if p.dim() >= 2]
+    replicas = 2 if stage == 0 else 1
+    assert sum(r["work"]["matrices"] for r in runs) == replicas * len(matrices)
+    assert sum(r["work"]["flops"] for r in runs) == replicas * sum(ns_flops(p.shape) for p in matrices)
 
 
 # -- the owners: each matrix once, about 1/N of the work per rank, the bytes the layout implies ------

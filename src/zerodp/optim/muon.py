@@ -13,9 +13,10 @@
   state ``momentum_buffer``), the whole blended matrix orthogonalized by its owner rank
   (``muon_owners.py``; the math in ``muon_math.py``), then ``p <- p (1 - lr wd) - lr update``;
 * the AdamW half is torch's AdamW (Adam with ``adam_w_mode: false``) over the same state dict;
-* a matrix split by tensor parallelism is whole over its tensor-parallel ranks: its owner (the same
-  data-parallel rank in each, since their layouts are alike) joins the slices with one all-gather
-  there, orthogonalizes the whole matrix and keeps its slice.
+* a matrix split by tensor parallelism is whole over its tensor-parallel ranks: its owner is the
+  same data-parallel rank in each (their layouts are alike); one of those owners, chosen so that
+  they share the work, receives the others' slices, orthogonalizes the whole and sends each its
+  slice back.
 
 The engine drives it through the declared interface ``whole_matrices`` (``core/optim_shard.py``):
 ``plan_whole_matrices`` once, ``whole_matrix_update`` for each trainable group (every rank, in
@@ -183,17 +184,46 @@ def from_torch_muon(groups: list[dict]) -> list[dict]:
     return out
 
 
-def _join_slices(local: torch.Tensor, split: Any, comm: Any) -> torch.Tensor:
-    """The unsplit matrix from this rank's flat slice ``local`` and its tensor-parallel peers' (one
-    all-gather over ``comm``; ``split``: a ``parallel.tensor.TPSlice``)."""
-    n, shape = comm.world_size, split.local_shape()
-    gathered = local.new_empty(n * local.numel())
-    gathered.view(n, -1)[comm.rank].copy_(local)
-    comm.all_gather(gathered, what="a tensor-parallel matrix for Muon")
-    unsplit = local.new_empty(split.shape)
-    for r, chunk in enumerate(gathered.view(n, -1)):
-        split.place(unsplit, chunk.view(shape), rank=r)
-    return unsplit
+def _finish_replicated(whole: torch.Tensor, comm: Any, finisher: int, wire: Optional[torch.device],
+                       orthogonalize_whole: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The update of a matrix every tensor-parallel peer (``comm``) holds whole and alike: ``finisher``
+    orthogonalizes it and sends it to the others."""
+    n, me, numel = comm.world_size, comm.rank, whole.numel()
+    if me == finisher:
+        result = orthogonalize_whole(whole)
+        out = result.repeat(n)
+    else:
+        out = whole.new_empty(0)
+    staged = wire is not None and getattr(comm, "backend", "") == "nccl" and out.device != wire
+    back = comm.all_to_all_rows(out.to(wire) if staged else out, [numel if me == finisher else 0] * n,
+                                [numel if r == finisher else 0 for r in range(n)],
+                                what="a replicated matrix's update for Muon", kind="muon_scatter")
+    return back.to(whole.device)
+
+
+def _finish_split(local: torch.Tensor, split: Any, comm: Any, finisher: int, wire: Optional[torch.device],
+                  orthogonalize_whole: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """This rank's slice of the orthogonalized unsplit matrix, from its flat slice ``local``: the
+    tensor-parallel peers (``comm``, every one of them holding its slice) send their slices to
+    ``finisher``, which joins them (``split``: a ``parallel.tensor.TPSlice``), runs
+    ``orthogonalize_whole`` on the unsplit matrix and sends each peer its slice back."""
+    n, me, numel = comm.world_size, comm.rank, local.numel()
+    to_finisher = [numel if r == finisher else 0 for r in range(n)]
+    from_peers = [numel if me == finisher else 0 for _ in range(n)]
+    staged = wire is not None and getattr(comm, "backend", "") == "nccl" and local.device != wire
+    got = comm.all_to_all_rows(local.to(wire) if staged else local, to_finisher, from_peers,
+                               what="a tensor-parallel matrix's slices for Muon", kind="muon_gather")
+    if me == finisher:
+        unsplit = got.new_empty(split.shape)
+        for r, chunk in enumerate(got.view(n, -1)):
+            split.place(unsplit, chunk.view(split.local_shape()), rank=r)
+        update = orthogonalize_whole(unsplit.reshape(-1)).view(split.shape)
+        out = torch.cat([split.take(update, rank=r).reshape(-1) for r in range(n)])
+    else:
+        out = got.new_empty(0)
+    back = comm.all_to_all_rows(out, from_peers, to_finisher, what="a tensor-parallel matrix's update slices",
+                                kind="muon_scatter")
+    return back.to(local.device)
 
 
 class MuonWithAuxAdam(torch.optim.Optimizer):
@@ -223,6 +253,8 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         self._heads: dict[int, list[Optional[int]]] = {}
         self._splits: dict[int, list[Any]] = {}  # per group, per slot: its tensor-parallel slice, or None
         self._tensor_comm: Any = None
+        self._finisher: dict[tuple[int, int], int] = {}  # (group, slot) of a split matrix: its finishing TP rank
+        self._work = {"matrices": 0, "flops": 0}
         self._ready: set[int] = set()
 
     # -- the engine's side ----------------------------------------------------------------
@@ -249,6 +281,24 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             return ns_flops(shape, pg["ns_steps"], pg["ns_method"], self._heads[g.index][slot])
 
         self._plans = {p.index: p for p in plan_owners(muon, comm_of, cost, wire)}
+        # each matrix is finished by one of its tensor-parallel owners: largest first, to the least loaded
+        tp = tensor_comm.world_size if tensor_comm is not None else 1
+        finished = [0] * tp
+        self._finisher = {}
+        # (with tensor parallelism a matrix no layer split is held alike by every tensor-parallel rank: one of them
+        # finishes it too)
+        slots = [(grp, i) for grp in muon for i in range(len(grp.slots))] if tp > 1 else []
+        for grp, slot in sorted(slots, key=lambda gi: (-cost(*gi), gi[0].index, gi[1])):
+            t = min(range(tp), key=lambda r: (finished[r], r))
+            finished[t] += cost(grp, slot)
+            self._finisher[(grp.index, slot)] = t
+        self._work = {"matrices": 0, "flops": 0}
+        me = tensor_comm.rank if tensor_comm is not None else 0
+        for g in muon:
+            for slot in self._plans[g.index].mine:
+                if self._finisher.get((g.index, slot), me) == me:
+                    self._work["matrices"] += 1
+                    self._work["flops"] += cost(g, slot)
         split = [(g.index, tuple(self._plans[g.index].owner)) for g in muon if getattr(g, "tp_split", False)]
         if split:  # a split matrix's slices meet at the same data-parallel rank of each tensor-parallel rank
             mine = [hash(tuple(split)) & 0x7FFFFFFF]
@@ -294,14 +344,19 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         splits = self._splits[group.index]
 
         def compute(slot: int, whole: torch.Tensor) -> torch.Tensor:
-            split = splits[slot]
+            split, finisher = splits[slot], self._finisher.get((group.index, slot))
             if split is None:
-                return orthogonalize(whole, plan.shapes[slot], num_heads=heads[slot], **kwargs)
+                def local(w: torch.Tensor) -> torch.Tensor:
+                    return orthogonalize(w, plan.shapes[slot], num_heads=heads[slot], **kwargs)
+                if finisher is None:
+                    return local(whole)
+                # the same matrix on every tensor-parallel rank: one of them orthogonalizes it
+                return _finish_replicated(whole, self._tensor_comm, finisher, plan.wire, local)
             # a tensor-parallel slice: whole over the tensor-parallel ranks, which own it too (the same
-            # layout gives them the same owner among their data-parallel ranks)
-            unsplit = _join_slices(whole, split, self._tensor_comm)
-            update = orthogonalize(unsplit.reshape(-1), torch.Size(split.shape), num_heads=heads[slot], **kwargs)
-            return split.take(update.view(split.shape)).reshape(-1)
+            # layout gives them the same owner among their data-parallel ranks); one of them finishes it
+            return _finish_split(whole, split, self._tensor_comm, self._finisher[(group.index, slot)], plan.wire,
+                                 lambda unsplit: orthogonalize(unsplit, torch.Size(split.shape), num_heads=heads[slot],
+                                                               **kwargs))
 
         exchange(plan, grad, compute)
 
@@ -312,9 +367,9 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         return ("muon_gather", "muon_scatter") if any(p.partitions > 1 for p in self._plans.values()) else ()
 
     def work(self) -> dict[str, int]:
-        """This rank's share of the orthogonalization: matrices and FLOPs per step."""
-        return {"matrices": sum(len(p.mine) for p in self._plans.values()),
-                "flops": sum(p.flops for p in self._plans.values())}
+        """This rank's share of the orthogonalization: matrices it orthogonalizes and their FLOPs per step
+        (a tensor-parallel matrix whole, on the one of its owners that finishes it)."""
+        return dict(self._work)
 
     # -- the step ---------------------------------------------------------------------------
 
