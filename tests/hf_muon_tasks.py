@@ -20,21 +20,13 @@ import sys
 import torch
 import torchrun_cases
 from accelerate.state import AcceleratorState
+from hf_compile_tasks import VOCAB, Tokens  # the same fixed token batches
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from zerodp.optim.muon_math import orthogonalize
 
-VOCAB, SEQ, STEPS, LR, MUON_LR, WD = 96, 16, 5, 3e-3, 0.02, 0.1
-
-
-class Tokens(torch.utils.data.Dataset):
-    def __len__(self) -> int:
-        return 64
-
-    def __getitem__(self, i: int) -> dict:
-        ids = torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(i))
-        return {"input_ids": ids, "labels": ids}
+STEPS, LR, MUON_LR, WD = 5, 3e-3, 0.02, 0.1
 
 
 class ReferenceMuon(torch.optim.Optimizer):

@@ -46,7 +46,6 @@ class GroupPlan:
     mine: list[int] = field(default_factory=list)  # the slots this rank owns
     arrived: dict[int, list[tuple[int, int, int]]] = field(default_factory=dict)  # owned slot: (at, param_lo, n)
     wire: Optional[torch.device] = None    # where the all-to-alls' buffers must be (NCCL: the GPU)
-    flops: int = 0                         # this rank's Newton-Schulz FLOPs for the group
 
     @property
     def send_rows(self) -> list[int]:
@@ -108,7 +107,7 @@ def plan_owners(groups: list, comm_of: Callable[[Any], Any], cost: Callable[[Any
                 arrived[slot].append((at, plo, length))
                 at += length
         plans.append(GroupPlan(g.index, comm_of(g), n, owner, [s.shape for s in g.slots], send, recv,
-                               [s.offset for s in g.slots], mine, arrived, wire, sum(cost(g, i) for i in mine)))
+                               [s.offset for s in g.slots], mine, arrived, wire))
     return plans
 
 
